@@ -1,0 +1,414 @@
+"""The closed set of native wire messages.
+
+Theory of operation: the router (client) opens a stream to a worker and sends
+:class:`Hello`; the worker answers :class:`Welcome` (or an :class:`ErrorReply`
+with code ``unauthorized``/``unsupported_version`` and closes).  After that, one
+connection multiplexes many requests, each message naming its ``request_id``.
+Connection-scoped messages (handshake, heartbeat, drain, goodbye) carry
+``request_id == ""``.
+
+Per request the worker sends zero or more :class:`Delta` frames and then exactly
+one *terminal* message: a :class:`Delta` with ``finish_reason`` set (generate),
+a :class:`StageResult` (encode, prefill), an :class:`ErrorReply`, or
+:class:`Aborted` (after an :class:`Abort`).  Nothing follows a terminal message
+for that id.  :class:`Release` is answered by :class:`Released`; :class:`Ping` by
+:class:`Pong`, out of band of any request data.
+
+Every class is a frozen, slotted dataclass; the ``TAG`` class attribute is the
+value of the ``type`` key on the wire.  ``docs/protocol.md`` is the normative
+description of these fields for implementers in other languages.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from .schema import Struct, compile_struct, require
+
+PROTOCOL_VERSION = 1
+
+
+class Role(enum.StrEnum):
+    """What a worker does: encode, prefill, decode, or merged prefill+decode."""
+
+    ENCODE = "encode"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    PD = "pd"
+
+
+class ErrorCode(enum.StrEnum):
+    """Wire error codes carried by :class:`ErrorReply`."""
+
+    INVALID_REQUEST = "invalid_request"
+    UNAUTHORIZED = "unauthorized"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNSUPPORTED_STAGE = "unsupported_stage"
+    PROTOCOL_ERROR = "protocol_error"
+    MISSING_ENCODER_CACHE = "missing_encoder_cache"
+    UNKNOWN_KV_HANDLE = "unknown_kv_handle"
+    DUPLICATE_REQUEST = "duplicate_request"
+    OVERLOADED = "overloaded"
+    DRAINING = "draining"
+    ENGINE_ERROR = "engine_error"
+    INTERNAL = "internal"
+
+
+# Codes that mean "this request is wrong"; they are never retried elsewhere and
+# never count against a worker's health.
+CLIENT_ERROR_CODES = frozenset(
+    {ErrorCode.INVALID_REQUEST, ErrorCode.UNSUPPORTED_STAGE, ErrorCode.DUPLICATE_REQUEST}
+)
+
+
+# ---------------------------------------------------------------- nested structs
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One media item as the client sent it: original compressed bytes.
+
+    ``content_hash`` is the hex SHA-256 of ``data``; encoder-cache entries are
+    keyed by it, and consistent-hash routing of encoders uses it.
+    """
+
+    mime_type: str
+    data: bytes
+    content_hash: str
+
+    def __post_init__(self) -> None:
+        require("/" in self.mime_type, f"mime_type {self.mime_type!r} is not type/subtype")
+        require(self.content_hash != "", "content_hash must not be empty")
+
+    @property
+    def modality(self) -> str:
+        """``image``, ``audio`` or ``video``: the mime type's top-level type."""
+        return self.mime_type.split("/", 1)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One chat turn.  ``parts`` mixes text (str) and media references (int).
+
+    An int part is an index into the request's ``media`` tuple, so the chat
+    template can place each item where the client put it.
+    """
+
+    role: str
+    parts: tuple[str | int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """Exactly one of plain text, token ids, or chat messages."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+
+    def __post_init__(self) -> None:
+        given = sum(x is not None for x in (self.text, self.token_ids, self.messages))
+        require(given == 1, "prompt needs exactly one of text, token_ids, messages")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """The sampling parameters a stage needs.  ``top_k == 0`` disables top-k."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        require(self.max_tokens >= 1, "max_tokens must be >= 1")
+        require(self.temperature >= 0.0, "temperature must be >= 0")
+        require(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        require(self.top_k >= -1, "top_k must be >= -1")
+        require(0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]")
+        require(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """A worker's load and readiness, carried on every :class:`Pong`."""
+
+    running: int
+    queued: int
+    draining: bool
+    engine_ready: bool
+
+
+# ---------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Client -> worker, first frame: protocol version and auth token."""
+
+    TAG: ClassVar[str] = "hello"
+    protocol_version: int
+    auth_token: str
+    client_id: str
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """Worker -> client, answer to :class:`Hello`: who the worker is."""
+
+    TAG: ClassVar[str] = "welcome"
+    protocol_version: int
+    worker_id: str
+    role: str
+    model: str
+    capabilities: tuple[str, ...] = ()
+    max_concurrency: int = 0
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        require(self.role in Role.__members__.values(), f"unknown role {self.role!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeRequest:
+    """Run the encoder on media items and store the results in the encoder cache."""
+
+    TAG: ClassVar[str] = "encode"
+    request_id: str
+    media: tuple[MediaItem, ...]
+    ec_transfer_params: dict[str, object] | None = None
+
+    def __post_init__(self) -> None:
+        require(len(self.media) >= 1, "encode needs at least one media item")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    """Prefill the prompt and hand the KV cache to a decoder (``kv_transfer_params``)."""
+
+    TAG: ClassVar[str] = "prefill"
+    request_id: str
+    prompt: Prompt
+    media: tuple[MediaItem, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    kv_transfer_params: dict[str, object] | None = None
+    ec_transfer_params: dict[str, object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """Stream output tokens.  D passes P's ``kv_transfer_params``; PD passes none."""
+
+    TAG: ClassVar[str] = "generate"
+    request_id: str
+    prompt: Prompt
+    media: tuple[MediaItem, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    kv_transfer_params: dict[str, object] | None = None
+    ec_transfer_params: dict[str, object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    """Terminal answer of an encode or prefill request."""
+
+    TAG: ClassVar[str] = "result"
+    request_id: str
+    kv_transfer_params: dict[str, object] | None = None
+    ec_transfer_params: dict[str, object] | None = None
+    prompt_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """Some output tokens of a generate request; terminal when ``finish_reason`` is set.
+
+    A worker may put several tokens in one delta (it should, under load).
+    ``logprobs``, when requested, has one entry per token id.
+    """
+
+    TAG: ClassVar[str] = "delta"
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[float, ...] | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        require(
+            self.logprobs is None or len(self.logprobs) == len(self.token_ids),
+            "logprobs needs one entry per token id",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """A typed failure: terminal for ``request_id``, or for the connection when ``""``."""
+
+    TAG: ClassVar[str] = "error"
+    request_id: str
+    code: str
+    message: str
+    retryable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Stop ``request_id``; the worker answers :class:`Aborted` once the engine has."""
+
+    TAG: ClassVar[str] = "abort"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """The engine no longer holds anything for ``request_id`` (idempotent)."""
+
+    TAG: ClassVar[str] = "aborted"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Free a prefilled KV handle that no decoder will consume."""
+
+    TAG: ClassVar[str] = "release"
+    request_id: str
+    kv_transfer_params: dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """Answer to :class:`Release`; ``found`` is False when the handle was already gone."""
+
+    TAG: ClassVar[str] = "released"
+    request_id: str
+    found: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Heartbeat probe; answered promptly even when the engine is saturated."""
+
+    TAG: ClassVar[str] = "ping"
+    nonce: int
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """Heartbeat answer with the worker's current load."""
+
+    TAG: ClassVar[str] = "pong"
+    nonce: int
+    stats: WorkerStats
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Client -> worker: no new requests will come on this connection."""
+
+    TAG: ClassVar[str] = "drain"
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """Worker -> client: draining; send nothing new, in-flight requests will finish."""
+
+    TAG: ClassVar[str] = "goodbye"
+    reason: str = ""
+    request_id: str = ""
+
+
+Message = (
+    Hello
+    | Welcome
+    | EncodeRequest
+    | PrefillRequest
+    | GenerateRequest
+    | StageResult
+    | Delta
+    | ErrorReply
+    | Abort
+    | Aborted
+    | Release
+    | Released
+    | Ping
+    | Pong
+    | Drain
+    | Goodbye
+)
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    Hello,
+    Welcome,
+    EncodeRequest,
+    PrefillRequest,
+    GenerateRequest,
+    StageResult,
+    Delta,
+    ErrorReply,
+    Abort,
+    Aborted,
+    Release,
+    Released,
+    Ping,
+    Pong,
+    Drain,
+    Goodbye,
+)
+
+StageRequest = EncodeRequest | PrefillRequest | GenerateRequest
+
+STRUCTS_BY_TAG: dict[str, Struct] = {
+    cls.TAG: compile_struct(cls, tag=cls.TAG) for cls in MESSAGE_TYPES
+}
+STRUCTS_BY_TYPE: dict[type, Struct] = {s.cls: s for s in STRUCTS_BY_TAG.values()}
+
+
+def merge_deltas(deltas: list[Delta]) -> Delta:
+    """Concatenate consecutive deltas of one request into a single delta.
+
+    Token ids, text and logprobs are concatenated in order; ``finish_reason``,
+    ``usage`` and ``timings`` come from the last delta (only a terminal delta
+    sets them, and it is always last).  Logprobs survive only if every delta
+    that carries tokens carries them.  Used to put every token already queued
+    for a request into one frame.
+    """
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    token_ids = tuple(t for delta in deltas for t in delta.token_ids)
+    logprobs: tuple[float, ...] | None = None
+    with_tokens = [delta for delta in deltas if delta.token_ids]
+    if with_tokens and all(delta.logprobs is not None for delta in with_tokens):
+        logprobs = tuple(lp for delta in with_tokens for lp in delta.logprobs or ())
+    return Delta(
+        request_id=last.request_id,
+        token_ids=token_ids,
+        text="".join(delta.text for delta in deltas),
+        logprobs=logprobs,
+        finish_reason=last.finish_reason,
+        usage=last.usage,
+        timings=last.timings,
+    )

@@ -1,0 +1,269 @@
+"""Field-level validation and conversion between wire maps and message dataclasses.
+
+Theory of operation: every wire message and every nested structure is a frozen,
+slotted dataclass.  At import time :func:`compile_struct` reads a class's type
+hints once and builds, per field, a *checker* (wire value -> Python value, raising
+``RemoteProtocolError`` with the dotted path of the bad field) and an *emitter*
+(Python value -> msgpack-native value).  Decoding a map therefore costs one
+dictionary walk with precompiled checks; there is no reflection per message.
+
+The set of supported annotations is deliberately small: ``str``, ``int``,
+``float``, ``bool``, ``bytes``, ``X | None``, ``str | int``, ``tuple[X, ...]``,
+``dict[str, float]``, ``dict[str, object]`` (opaque msgpack-native maps, used for
+vLLM's transfer parameters) and nested structs.  Anything else is a programming
+error reported at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from ..errors import LocalProtocolError, RemoteProtocolError
+
+Checker = Callable[[object, str], object]
+Emitter = Callable[[Any], object]
+
+T = TypeVar("T")
+
+_MISSING = dataclasses.MISSING
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def _fail(path: str, expected: str, value: object) -> typing.NoReturn:
+    raise RemoteProtocolError(f"{path}: expected {expected}, got {_type_name(value)}")
+
+
+def _check_str(value: object, path: str) -> object:
+    if type(value) is not str:
+        _fail(path, "str", value)
+    return value
+
+
+def _check_int(value: object, path: str) -> object:
+    if type(value) is not int:
+        _fail(path, "int", value)
+    return value
+
+
+def _check_float(value: object, path: str) -> object:
+    kind = type(value)
+    if kind is float:
+        return value
+    if kind is int:
+        return float(value)  # type: ignore[arg-type]
+    _fail(path, "float", value)
+
+
+def _check_bool(value: object, path: str) -> object:
+    if type(value) is not bool:
+        _fail(path, "bool", value)
+    return value
+
+
+def _check_bytes(value: object, path: str) -> object:
+    if type(value) is not bytes:
+        _fail(path, "bytes", value)
+    return value
+
+
+def _check_keys(value: dict[object, object], path: str) -> None:
+    for key in value:
+        if type(key) is not str:
+            raise RemoteProtocolError(f"{path}: map keys must be str, got {_type_name(key)}")
+
+
+def _check_opaque_map(value: object, path: str) -> object:
+    if type(value) is not dict:
+        _fail(path, "map", value)
+    # Map keys must be str at every depth (msgpack's strict_map_key lets bin keys
+    # through).  Iterative: nesting may be as deep as msgpack's own limit.
+    pending: list[tuple[object, str]] = [(value, path)]
+    while pending:
+        container, where = pending.pop()
+        children: typing.Iterable[tuple[str, object]]
+        if type(container) is dict:
+            _check_keys(container, where)
+            children = ((f"{where}.{k}", v) for k, v in container.items())
+        else:
+            items = typing.cast("list[object]", container)
+            children = ((f"{where}[{i}]", v) for i, v in enumerate(items))
+        for child_path, child in children:
+            if type(child) is dict or type(child) is list:
+                pending.append((child, child_path))
+    return value
+
+
+def _check_float_map(value: object, path: str) -> object:
+    if type(value) is not dict:
+        _fail(path, "map", value)
+    _check_keys(value, path)
+    return {key: _check_float(item, f"{path}.{key}") for key, item in value.items()}
+
+
+_SCALARS: dict[object, tuple[Checker, str]] = {
+    str: (_check_str, "str"),
+    int: (_check_int, "int"),
+    float: (_check_float, "float"),
+    bool: (_check_bool, "bool"),
+    bytes: (_check_bytes, "bytes"),
+}
+
+
+def _identity(value: Any) -> object:
+    return value
+
+
+def _compile(annotation: object) -> tuple[Checker, Emitter]:
+    """Build the checker and emitter for one annotation."""
+    if annotation in _SCALARS:
+        return _SCALARS[annotation][0], _identity
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (types.UnionType, typing.Union):
+        return _compile_union(args)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return _compile_tuple(args[0])
+    if origin is dict and args == (str, float):
+        return _check_float_map, _identity
+    if origin is dict and args == (str, object):
+        return _check_opaque_map, _identity
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        struct = compile_struct(annotation)
+        return struct.check, struct.emit
+    raise TypeError(f"unsupported wire annotation: {annotation!r}")
+
+
+def _compile_union(args: tuple[object, ...]) -> tuple[Checker, Emitter]:
+    members = [a for a in args if a is not type(None)]
+    optional = len(members) != len(args)
+    if len(members) == 1:
+        inner_check, inner_emit = _compile(members[0])
+    elif all(m in _SCALARS for m in members):
+        exact = tuple(typing.cast("type", m) for m in members)
+        expected = " | ".join(_SCALARS[m][1] for m in members)
+
+        def inner_check(value: object, path: str) -> object:
+            if type(value) not in exact:
+                _fail(path, expected, value)
+            return value
+
+        inner_emit = _identity
+    else:
+        raise TypeError(f"unsupported union on the wire: {args!r}")
+    if not optional:
+        return inner_check, inner_emit
+
+    def check_optional(value: object, path: str) -> object:
+        return None if value is None else inner_check(value, path)
+
+    def emit_optional(value: Any) -> object:
+        return None if value is None else inner_emit(value)
+
+    return check_optional, emit_optional
+
+
+def _compile_tuple(item: object) -> tuple[Checker, Emitter]:
+    item_check, item_emit = _compile(item)
+
+    def check(value: object, path: str) -> object:
+        if type(value) not in (tuple, list):
+            _fail(path, "array", value)
+        items = typing.cast("list[object]", value)
+        return tuple(item_check(v, f"{path}[{i}]") for i, v in enumerate(items))
+
+    if item_emit is _identity:
+        return check, _identity
+
+    def emit(value: Any) -> object:
+        return [item_emit(v) for v in value]
+
+    return check, emit
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Field:
+    name: str
+    check: Checker
+    emit: Emitter
+    required: bool
+
+
+class Struct:
+    """The compiled wire form of one dataclass: check (map -> instance) and emit."""
+
+    __slots__ = ("cls", "fields", "names", "tag")
+
+    def __init__(self, cls: type, fields: tuple[_Field, ...], tag: str | None) -> None:
+        self.cls = cls
+        self.fields = fields
+        self.names = frozenset(f.name for f in fields)
+        self.tag = tag
+
+    def check(self, value: object, path: str) -> object:
+        """Validate a decoded map and build the dataclass instance."""
+        if type(value) is not dict:
+            _fail(path, "map", value)
+        data = typing.cast("dict[str, object]", value)
+        for key in data:
+            # Only a tagged (top-level) struct carries the ``type`` key.
+            if key not in self.names and (key != "type" or self.tag is None):
+                raise RemoteProtocolError(f"{path}: unknown field {key!r}")
+        kwargs: dict[str, object] = {}
+        for field in self.fields:
+            if field.name in data:
+                kwargs[field.name] = field.check(data[field.name], f"{path}.{field.name}")
+            elif field.required:
+                raise RemoteProtocolError(f"{path}: missing field {field.name!r}")
+        try:
+            return self.cls(**kwargs)
+        except LocalProtocolError as exc:
+            raise RemoteProtocolError(f"{path}: {exc}") from None
+
+    def emit(self, value: Any) -> dict[str, object]:
+        """Turn an instance into a msgpack-native map (with its ``type`` tag, if any)."""
+        out: dict[str, object] = {} if self.tag is None else {"type": self.tag}
+        for field in self.fields:
+            out[field.name] = field.emit(getattr(value, field.name))
+        return out
+
+
+_STRUCTS: dict[type, Struct] = {}
+
+
+def compile_struct(cls: type, tag: str | None = None) -> Struct:
+    """Compile (once) and return the wire form of dataclass ``cls``."""
+    cached = _STRUCTS.get(cls)
+    if cached is not None:
+        return cached
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        check, emit = _compile(hints[f.name])
+        required = f.default is _MISSING and f.default_factory is _MISSING
+        fields.append(_Field(f.name, check, emit, required))
+    struct = Struct(cls, tuple(fields), tag)
+    _STRUCTS[cls] = struct
+    return struct
+
+
+def struct_of(cls: type) -> Struct:
+    """The compiled wire form of an already compiled dataclass."""
+    return _STRUCTS[cls]
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ``LocalProtocolError`` unless ``condition``; used by ``__post_init__`` checks."""
+    if not condition:
+        raise LocalProtocolError(message)
+
+
+def as_mapping(value: Mapping[str, object] | None) -> dict[str, object] | None:
+    """Copy an optional mapping into a plain dict (wire maps are plain dicts)."""
+    return None if value is None else dict(value)

@@ -1,0 +1,175 @@
+"""``python -m epd_actors worker``: run one native worker process.
+
+The process binds its listen address, prints one line
+``epd_actors worker <id> (<role>) listening on <address>`` on stdout (the bound
+port when port 0 was asked for), and serves until SIGTERM or SIGINT, which start
+a drain: stop accepting, say goodbye, finish in-flight work up to
+``--drain-timeout``, exit 0.  An engine crash exits with status 3.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..addresses import bound_address, open_listeners, parse_address
+from ..errors import ConfigError, EngineCrashed
+from ..protocol import Role
+from .engines.sim import SimEngine
+from .engines.sim_cli import add_sim_arguments, sim_config_from_args, sim_stores_from_args
+from .runtime import WorkerConfig, WorkerServer
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import AsyncIterator
+
+    from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+AUTH_TOKEN_ENV = "EPD_AUTH_TOKEN"
+EXIT_ENGINE_CRASHED = 3
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the ``worker`` subcommand."""
+    parser.add_argument("--role", required=True, choices=[r.value for r in Role])
+    parser.add_argument("--engine", default="sim", choices=["sim"], help="engine (default sim)")
+    parser.add_argument(
+        "--listen",
+        default="tcp://127.0.0.1:0",
+        help="tcp://HOST:PORT or unix:PATH (default tcp://127.0.0.1:0: a free port)",
+    )
+    parser.add_argument("--worker-id", default=None, help="default: <role>-<pid>")
+    parser.add_argument("--model", default="sim-model", help="model name announced to routers")
+    auth = parser.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--auth-token-file", default=None, help=f"file holding the token (else ${AUTH_TOKEN_ENV})"
+    )
+    auth.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="accept any client token (development only)",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument("--max-queued", type=int, default=256)
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
+    parser.add_argument(
+        "--heartbeat-delay", type=float, default=0.0, metavar="SECONDS", help="fault injection"
+    )
+    parser.add_argument("--heartbeat-drop", action="store_true", help="fault injection")
+    add_sim_arguments(parser)
+
+
+def _auth_token(args: argparse.Namespace) -> str | None:
+    if args.insecure_no_auth:
+        return None
+    if args.auth_token_file:
+        try:
+            with open(args.auth_token_file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"--auth-token-file: {exc}") from None
+    else:
+        token = os.environ.get(AUTH_TOKEN_ENV, "")
+    if not token:
+        raise ConfigError(
+            f"no auth token: set ${AUTH_TOKEN_ENV}, pass --auth-token-file, "
+            "or --insecure-no-auth for development"
+        )
+    return token
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+def build_worker(args: argparse.Namespace) -> WorkerServer:
+    """Validate the options and build the engine and server (no I/O yet)."""
+    role = Role(args.role)
+    worker_id = args.worker_id or f"{role.value}-{os.getpid()}"
+    _positive("--max-concurrency", args.max_concurrency)
+    _positive("--drain-timeout", args.drain_timeout)
+    if args.max_queued < 0:
+        raise ConfigError(f"--max-queued must be >= 0, got {args.max_queued}")
+    stores = sim_stores_from_args(args)
+    engine: Engine = SimEngine(
+        role,
+        worker_id=worker_id,
+        config=sim_config_from_args(args),
+        ec_store=stores.ec,
+        kv_store=stores.kv,
+        model=args.model,
+    )
+    config = WorkerConfig(
+        worker_id=worker_id,
+        auth_token=_auth_token(args),
+        max_concurrency=args.max_concurrency,
+        max_queued=args.max_queued,
+        drain_timeout_s=args.drain_timeout,
+        heartbeat_delay_s=args.heartbeat_delay,
+        heartbeat_drop=args.heartbeat_drop,
+    )
+    return WorkerServer(engine, config)
+
+
+async def serve_worker_process(server: WorkerServer, listen: str) -> None:
+    """Bind, announce the address, serve; SIGTERM/SIGINT start a drain.
+
+    Returns once the drain finished.  Cancellation: cancelling this coroutine
+    stops the worker at once (jobs are aborted in the engine).
+    """
+    address = parse_address(listen, key="--listen")
+    listeners = await open_listeners(address)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(_serve_until_drained, server, listeners, nursery.cancel_scope)
+            print(
+                f"epd_actors worker {server.config.worker_id} ({server.engine.role.value}) "
+                f"listening on {bound_address(address, listeners)}",
+                flush=True,
+            )
+            nursery.start_soon(_drain_on_signal, server, signals)
+
+
+async def _serve_until_drained(
+    server: WorkerServer,
+    listeners: list[trio.SocketListener],
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await server.serve(listeners, task_status=task_status)
+    scope.cancel(reason="worker drained")
+
+
+async def _drain_on_signal(server: WorkerServer, signals: AsyncIterator[int]) -> None:
+    async for signum in signals:
+        server.begin_drain(f"received {signal.Signals(signum).name}")
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Entry point of ``python -m epd_actors worker``; returns the exit status."""
+    status = 0
+    try:
+        server = build_worker(args)
+        trio.run(serve_worker_process, server, args.listen)
+    except* ConfigError as group:
+        print(f"epd_actors worker: configuration error: {group.exceptions[0]}", file=sys.stderr)
+        status = 2
+    except* OSError as group:
+        print(
+            f"epd_actors worker: cannot listen on {args.listen}: {group.exceptions[0]}",
+            file=sys.stderr,
+        )
+        status = 2
+    except* EngineCrashed as group:
+        print(f"epd_actors worker: engine crashed: {group.exceptions[0]}", file=sys.stderr)
+        status = EXIT_ENGINE_CRASHED
+    return status

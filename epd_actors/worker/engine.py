@@ -1,0 +1,72 @@
+"""The contract between the worker runtime and an engine (simulator or vLLM).
+
+The runtime owns sockets, framing, multiplexing, heartbeats and drain; an engine
+only does the work of one stage request at a time (many concurrently).  Keep
+this contract small: the vLLM adapter and the simulator both implement it, and
+the runtime's tests drive it with fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from ..protocol import (
+    Delta,
+    EncodeRequest,
+    GenerateRequest,
+    PrefillRequest,
+    Role,
+    StageResult,
+)
+
+DeltaSink = Callable[[Delta], Awaitable[None]]
+"""Where ``Engine.generate`` sends its output.
+
+Backpressure: awaiting the sink blocks while the request's outgoing buffer is
+full; an engine must not buffer output of its own without bound.
+"""
+
+
+class Engine(Protocol):
+    """What the worker runtime needs from an engine.
+
+    Errors: a method that cannot do its work raises ``errors.EngineError`` with a
+    wire error code; anything else is reported as ``internal`` and logged.
+
+    Cancellation: every coroutine may be cancelled at any await (the runtime
+    cancels a request when its client sends ``Abort`` or disconnects, and at the
+    end of a drain).  After cancelling, the runtime calls :meth:`abort` for the
+    request id, so the engine can free whatever the request still held.
+    """
+
+    role: Role
+    model: str
+    capabilities: tuple[str, ...]
+
+    async def encode(self, request: EncodeRequest) -> StageResult:
+        """Encode every media item into the encoder cache (role ``encode``)."""
+        ...
+
+    async def prefill(self, request: PrefillRequest) -> StageResult:
+        """Prefill the prompt; the result carries ``kv_transfer_params`` (role ``prefill``)."""
+        ...
+
+    async def generate(self, request: GenerateRequest, emit: DeltaSink) -> None:
+        """Stream output through ``emit``; the last delta has ``finish_reason`` set.
+
+        Used by roles ``decode`` (with P's ``kv_transfer_params``) and ``pd``.
+        """
+        ...
+
+    async def release(self, kv_transfer_params: dict[str, object]) -> bool:
+        """Free a prefilled KV handle nobody will consume; False if it was already gone."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Forget everything held for ``request_id``; idempotent, unknown ids are fine."""
+        ...
+
+    def is_ready(self) -> bool:
+        """True when the engine can take work (not merely when the process is up)."""
+        ...

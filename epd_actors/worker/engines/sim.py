@@ -1,0 +1,926 @@
+"""The EPD simulator: a stand-in for GPU-backed vLLM workers, faithful where routers break.
+
+Theory of operation
+-------------------
+:class:`SimEngine` implements :class:`~epd_actors.worker.engine.Engine` for every
+role and keeps the data dependencies of real disaggregated serving, through
+stores shared with its peers (see :mod:`.sim_store`):
+
+* **E** writes one encoder-cache entry per media item (keyed by content hash).
+* **P** needs those entries (``strict``: refuses with ``missing_encoder_cache``;
+  ``recompute``: runs the encoder itself, like vLLM does, at the encoder's cost),
+  then publishes a KV handle (random; records request id, prompt digest and
+  length) and names it in ``kv_transfer_params``.
+* **D** consumes that handle exactly once and refuses unknown, expired, consumed
+  or mismatched ones (``unknown_kv_handle``); its usage reports P's prompt length.
+* **PD** needs encoder entries (or recomputes) and no handle.
+
+A handle belongs to the engine that created it: that engine discards it when
+``kv_ttl_s`` passes (counted as leaked; swept lazily on every call and on
+:meth:`SimEngine.statistics`), on :meth:`SimEngine.release`, on
+:meth:`SimEngine.abort` of its request, and when it crashes.  Cancelling a
+prefill does *not* free its handle; the runtime's ``abort`` does -- so a runtime
+that forgets to abort shows up as a leak.
+
+Output is deterministic: token ``i`` is a stable hash of (prompt digest, seed,
+``i``) -- temperature 0 ignores the seed, an unseeded sampled request uses seed
+0 -- and its text is a word from a small list, so the same request gives the
+same text through E+P+D and through PD.  Latencies are ``trio.sleep`` calls
+(virtual under ``MockClock``); faults come from a ``random.Random`` seeded by
+``fault_seed`` and the worker id.  Every knob, with its default and unit, is a
+:class:`SimConfig` field; docs/simulator.md is the narrative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import math
+import random
+import secrets
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, NoReturn, TypeVar
+
+import trio
+
+from ...errors import ConfigError, EngineCrashed, EngineError
+from ...protocol import (
+    Delta,
+    EncodeRequest,
+    ErrorCode,
+    GenerateRequest,
+    MediaItem,
+    PrefillRequest,
+    Prompt,
+    Role,
+    SamplingParams,
+    StageResult,
+    Usage,
+)
+from .sim_store import SAFE_KEY, EncoderCacheEntry, KVEntry, is_safe_key
+
+if TYPE_CHECKING:
+    from ..engine import DeltaSink, Engine
+    from .sim_store import EncoderCacheStore, KVStore
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+KV_HANDLE_KEY: Final = "sim_kv_handle"
+"""The ``kv_transfer_params`` key naming a simulated KV handle."""
+
+VOCAB_SIZE: Final = 32_000
+"""Token ids are in ``range(VOCAB_SIZE)``."""
+
+_WORDS: Final = (
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog",
+    "a", "small", "cat", "sees", "bright", "red", "ball", "near",
+    "river", "stone", "tree", "under", "blue", "sky", "and", "green",
+    "field", "with", "old", "house", "on", "hill", "where", "wind",
+    "sings", "soft", "song", "of", "rain", "light", "falls", "in",
+    "quiet", "night", "while", "stars", "glow", "above", "calm", "sea",
+    "ship", "sails", "far", "away", "to", "golden", "shore", "at",
+    "dawn", "birds", "wake", "people", "walk", "slowly", "home", "again",
+)  # fmt: skip
+
+_MASK64: Final = (1 << 64) - 1
+_GAMMA: Final = 0x9E3779B97F4A7C15
+
+
+# ---------------------------------------------------------------- configuration
+
+Check = Callable[[object], "str | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class KnobSpec:
+    """How one :class:`SimConfig` field is documented, parsed from text and checked.
+
+    ``parse`` is None for a boolean flag.  ``check`` returns a problem or None.
+    """
+
+    doc: str
+    parse: Callable[[str], object] | None
+    check: Check
+    metavar: str = ""
+
+
+def _knob(default: _T, spec: KnobSpec) -> _T:
+    value: _T = field(default=default, metadata={"knob": spec})
+    return value
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _seconds(*, inf_ok: bool = False, positive: bool = False) -> Check:
+    def check(value: object) -> str | None:
+        number = _number(value)
+        if number is None or math.isnan(number):
+            return f"must be a number of seconds (got {value!r})"
+        if number < 0 or (positive and number == 0):
+            return f"must be {'>' if positive else '>='} 0 (got {value!r})"
+        if math.isinf(number) and not inf_ok:
+            return "must be finite"
+        return None
+
+    return check
+
+
+def _rate(value: object) -> str | None:
+    number = _number(value)
+    if number is None or not 0.0 <= number <= 1.0:
+        return f"must be a probability in [0, 1] (got {value!r})"
+    return None
+
+
+def _count(minimum: int, *, optional: bool = False) -> Check:
+    def check(value: object) -> str | None:
+        if value is None and optional:
+            return None
+        if type(value) is not int or value < minimum:
+            return f"must be an integer >= {minimum} (got {value!r})"
+        return None
+
+    return check
+
+
+def _parse_optional_int(text: str) -> int | None:
+    return None if text.lower() in {"off", "none"} else int(text)
+
+
+def _one_of(*choices: str) -> Check:
+    def check(value: object) -> str | None:
+        return None if value in choices else f"must be one of {', '.join(choices)}"
+
+    return check
+
+
+def _boolean(value: object) -> str | None:
+    return None if isinstance(value, bool) else f"must be true or false (got {value!r})"
+
+
+def _secs(doc: str, **kw: bool) -> KnobSpec:
+    return KnobSpec(doc, float, _seconds(**kw), "SECONDS")
+
+
+def _ints(doc: str, minimum: int) -> KnobSpec:
+    return KnobSpec(doc, int, _count(minimum), "N")
+
+
+def _ints_or_off(doc: str, minimum: int) -> KnobSpec:
+    return KnobSpec(doc, _parse_optional_int, _count(minimum, optional=True), "N|off")
+
+
+def _probability(doc: str) -> KnobSpec:
+    return KnobSpec(doc, float, _rate, "P")
+
+
+def _any_int(value: object) -> str | None:
+    return None if type(value) is int else f"must be an integer (got {value!r})"
+
+
+_EC_MODES: Final = ("strict", "recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Every simulator knob, with defaults that keep tests and demos fast but nonzero.
+
+    Each field's ``metadata["knob"]`` is a :class:`KnobSpec` whose ``doc`` gives
+    the meaning and unit; the CLI (``--sim-<field-name>``) and docs/simulator.md
+    follow the same list.  Invalid values raise ``ConfigError`` naming the field.
+    """
+
+    encode_item_s: float = _knob(0.005, _secs("encoder time per media item, seconds"))
+    encode_kib_s: float = _knob(0.00001, _secs("extra encoder time per KiB of media, seconds"))
+    prefill_token_s: float = _knob(0.00005, _secs("prefill time per prompt token, seconds"))
+    first_token_s: float = _knob(
+        0.002, _secs("from end of prefill (PD) or KV load (D) to token 1, seconds")
+    )
+    output_token_s: float = _knob(
+        0.001, _secs("time per output token after the first, seconds; 0 = unpaced")
+    )
+    tokens_per_delta: int = _knob(16, _ints("tokens per delta when output_token_s is 0", 1))
+    media_tokens_per_item: int = _knob(256, _ints("prompt tokens each media item adds", 0))
+    ec_mode: str = _knob(
+        "strict",
+        KnobSpec(
+            "missing encoder-cache entry on P/PD: strict = refuse, recompute = encode it there",
+            str,
+            _one_of(*_EC_MODES),
+            "{" + ",".join(_EC_MODES) + "}",
+        ),
+    )
+    kv_ttl_s: float = _knob(
+        30.0, _secs("KV handle lifetime; unconsumed = leaked, seconds", inf_ok=True, positive=True)
+    )
+    verify_media_hash: bool = _knob(
+        False, KnobSpec("refuse media whose content_hash is not sha256(data)", None, _boolean)
+    )
+    encode_error_rate: float = _knob(0.0, _probability("chance an encode fails (retryable)"))
+    prefill_error_rate: float = _knob(0.0, _probability("chance a prefill fails (retryable)"))
+    generate_error_rate: float = _knob(
+        0.0, _probability("chance a generate fails before its first token (retryable)")
+    )
+    stall_s: float = _knob(
+        0.0, _secs("sleep before every stage request, seconds; inf = hang", inf_ok=True)
+    )
+    stall_after_tokens: int | None = _knob(
+        None, _ints_or_off("hang a stream forever after N tokens", 0)
+    )
+    crash_after_tokens: int | None = _knob(
+        None, _ints_or_off("crash the engine after N tokens of a stream", 0)
+    )
+    crash_on_request: int | None = _knob(
+        None, _ints_or_off("crash the engine when its Nth stage request arrives", 1)
+    )
+    fault_seed: int = _knob(
+        0, KnobSpec("seed of the fault RNG (mixed with the worker id)", int, _any_int, "N")
+    )
+
+    def __post_init__(self) -> None:
+        for knob in sim_knobs():
+            problem = knob.spec.check(getattr(self, knob.name))
+            if problem is not None:
+                raise ConfigError(f"simulator {knob.name}: {problem}")
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """One :class:`SimConfig` field: its name, default and :class:`KnobSpec`."""
+
+    name: str
+    default: object
+    spec: KnobSpec
+
+
+@functools.cache
+def sim_knobs() -> tuple[Knob, ...]:
+    """Every :class:`SimConfig` knob in declaration order (for the CLI and docs)."""
+    return tuple(Knob(f.name, f.default, f.metadata["knob"]) for f in dataclasses.fields(SimConfig))
+
+
+# ---------------------------------------------------------------- statistics
+
+
+@dataclass(slots=True)
+class _Counts:
+    encode_requests: int = 0
+    prefill_requests: int = 0
+    generate_requests: int = 0
+    aborts: int = 0
+    releases_found: int = 0
+    releases_not_found: int = 0
+    kv_handles_created: int = 0
+    kv_handles_consumed: int = 0
+    kv_handles_released: int = 0
+    kv_handles_aborted: int = 0
+    kv_handles_leaked: int = 0
+    kv_handles_lost: int = 0
+    ec_entries_written: int = 0
+    ec_entries_read: int = 0
+    recomputed_items: int = 0
+    errors_injected: int = 0
+    tokens_generated: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SimCounters:
+    """A snapshot of one :class:`SimEngine`'s counters (totals since it was built).
+
+    Attributes:
+        encode_requests, prefill_requests, generate_requests: stage calls received
+            (on a role that serves them; injected failures and refusals included).
+        aborts: ``abort`` calls received.
+        releases_found, releases_not_found: ``release`` outcomes.
+        kv_handles_created: handles this engine (P) published.
+        kv_handles_consumed: handles this engine (D) consumed.
+        kv_handles_released: handles freed by ``release`` (equals releases_found).
+        kv_handles_aborted: this engine's handles freed by ``abort``.
+        kv_handles_leaked: this engine's handles that expired unconsumed.
+        kv_handles_lost: this engine's handles dropped when it crashed.
+        kv_handles_outstanding: this engine's handles still waiting for a decoder.
+        ec_entries_written: encoder-cache entries this engine (E) wrote.
+        ec_entries_read: encoder-cache entries this engine (P/PD) found.
+        recomputed_items: media items P/PD encoded itself (``recompute`` mode).
+        errors_injected: failures raised by ``*_error_rate``.
+        tokens_generated: output tokens emitted.
+        in_flight: stage calls running now.
+        crashed: whether the engine crashed (``is_ready()`` is then False).
+    """
+
+    encode_requests: int
+    prefill_requests: int
+    generate_requests: int
+    aborts: int
+    releases_found: int
+    releases_not_found: int
+    kv_handles_created: int
+    kv_handles_consumed: int
+    kv_handles_released: int
+    kv_handles_aborted: int
+    kv_handles_leaked: int
+    kv_handles_lost: int
+    ec_entries_written: int
+    ec_entries_read: int
+    recomputed_items: int
+    errors_injected: int
+    tokens_generated: int
+    kv_handles_outstanding: int
+    in_flight: int
+    crashed: bool
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def _mix64(x: int) -> int:
+    """The splitmix64 finalizer: a cheap, stable 64-bit hash (unlike the salted ``hash()``)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def prompt_digest(prompt: Prompt, media: tuple[MediaItem, ...]) -> str:
+    """A stable hex digest of the prompt and its media (what a KV cache depends on).
+
+    Raises:
+        EngineError: ``invalid_request`` when a chat part names a missing media item.
+    """
+    h = hashlib.blake2b(digest_size=16)
+
+    def feed(tag: str, value: str) -> None:
+        h.update(f"{tag}{len(value)}:{value}".encode())
+
+    if prompt.text is not None:
+        feed("t", prompt.text)
+    elif prompt.token_ids is not None:
+        feed("i", ",".join(map(str, prompt.token_ids)))
+    for message in prompt.messages or ():
+        feed("r", message.role)
+        for part in message.parts:
+            if isinstance(part, str):
+                feed("s", part)
+            elif 0 <= part < len(media):
+                feed("m", str(part))
+            else:
+                raise EngineError(ErrorCode.INVALID_REQUEST, f"chat part names media #{part}")
+    for item in media:
+        feed("h", item.content_hash)
+    return h.hexdigest()
+
+
+def count_prompt_tokens(prompt: Prompt, media: tuple[MediaItem, ...], per_item: int) -> int:
+    """Whitespace words of the text (or the token ids) plus ``per_item`` per media item."""
+    if prompt.text is not None:
+        words = len(prompt.text.split())
+    elif prompt.token_ids is not None:
+        words = len(prompt.token_ids)
+    else:
+        words = sum(
+            len(part.split())
+            for message in prompt.messages or ()
+            for part in message.parts
+            if isinstance(part, str)
+        )
+    return words + per_item * len(media)
+
+
+class _TokenSource:
+    """Token ``i`` of a request: a pure function of (prompt digest, seed, ``i``)."""
+
+    def __init__(self, digest: str, sampling: SamplingParams) -> None:
+        seed = "greedy" if sampling.temperature == 0 else f"seed:{sampling.seed or 0}"
+        raw = hashlib.blake2b(f"{digest}|{seed}".encode(), digest_size=8).digest()
+        self._base = int.from_bytes(raw, "big")
+
+    def token(self, position: int) -> tuple[int, float, str]:
+        """(token id, logprob, text) of the token at ``position`` (0-based)."""
+        z = _mix64((self._base + position * _GAMMA) & _MASK64)
+        token_id = z % VOCAB_SIZE
+        logprob = -((z >> 48) % 4096 + 1) / 1024
+        word = _WORDS[token_id % len(_WORDS)]
+        return token_id, logprob, word if position == 0 else f" {word}"
+
+
+class _StopText:
+    """Accumulates output text, finds stop strings, holds back a possible partial stop."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._text = ""
+        self._sent = 0
+
+    def push(self, piece: str, *, may_stop: bool) -> bool:
+        """Append ``piece``; True (and the text cut before it) when a stop string completed."""
+        window = max(0, len(self._text) - self._hold)
+        self._text += piece
+        if not may_stop:
+            return False
+        found = [i for s in self._stops if (i := self._text.find(s, window)) >= 0]
+        if not found:
+            return False
+        self._text = self._text[: min(found)]
+        return True
+
+    def take(self, *, final: bool) -> str:
+        """The text not yet sent that can no longer turn out to be part of a stop string."""
+        end = len(self._text) if final else max(self._sent, len(self._text) - self._hold)
+        out = self._text[self._sent : end]
+        self._sent = end
+        return out
+
+
+async def _pause(seconds: float) -> None:
+    """Sleep ``seconds`` (forever when infinite); always a checkpoint."""
+    if math.isinf(seconds):
+        await trio.sleep_forever()
+    elif seconds > 0:
+        await trio.sleep(seconds)
+    else:
+        await trio.lowlevel.checkpoint()
+
+
+_RUN_TOKEN: trio.lowlevel.RunVar[str] = trio.lowlevel.RunVar("epd_sim_run_token")
+
+
+def _run_token() -> str:
+    """A random token of the current ``trio.run``: deadlines compare only within one run."""
+    try:
+        return _RUN_TOKEN.get()
+    except LookupError:
+        token = secrets.token_hex(8)
+        _RUN_TOKEN.set(token)
+        return token
+
+
+def _invalid(message: str) -> EngineError:
+    return EngineError(ErrorCode.INVALID_REQUEST, message)
+
+
+def _handle_from(params: dict[str, object] | None) -> str:
+    if params is None:
+        raise _invalid("a decode worker needs kv_transfer_params from a prefill")
+    handle = params.get(KV_HANDLE_KEY)
+    if not isinstance(handle, str) or not is_safe_key(handle):
+        raise _invalid(f"kv_transfer_params[{KV_HANDLE_KEY!r}] must match {SAFE_KEY.pattern}")
+    return handle
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    request_id: str
+    expires_at: float
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class SimEngine:
+    """A simulated engine for one role; see the module docstring for the model.
+
+    Args:
+        role: the stage this engine serves.
+        worker_id: names the producer in transfer params, logs and the fault RNG.
+        config: latency, behaviour and fault knobs.
+        ec_store, kv_store: shared with the engines of the other stages
+            (``sim_store.create_sim_stores``).
+        model: the model name the worker announces.
+
+    Every stage coroutine raises ``EngineError`` for refusals and injected
+    failures and ``EngineCrashed`` once the simulated engine has died.
+    """
+
+    capabilities: tuple[str, ...] = ("sim",)
+
+    def __init__(
+        self,
+        role: Role,
+        *,
+        worker_id: str,
+        config: SimConfig,
+        ec_store: EncoderCacheStore,
+        kv_store: KVStore,
+        model: str = "sim-model",
+    ) -> None:
+        self.role = Role(role)
+        self.model = model
+        self.worker_id = worker_id
+        self.config = config
+        self._ec = ec_store
+        self._kv = kv_store
+        self._rng = random.Random(f"{config.fault_seed}:{worker_id}")
+        self._counts = _Counts()
+        self._own: dict[str, _Held] = {}  # creation order == expiry order (one TTL)
+        self._by_request: dict[str, list[str]] = {}
+        self._stage_requests = 0
+        self._in_flight = 0
+        self._crashed = False
+
+    def __repr__(self) -> str:
+        state = "crashed" if self._crashed else f"in_flight={self._in_flight}"
+        return f"<SimEngine {self.worker_id} role={self.role.value} {state}>"
+
+    # -- Engine protocol
+
+    async def encode(self, request: EncodeRequest) -> StageResult:
+        """Encode each distinct media item and write its encoder-cache entry.
+
+        Returns:
+            ``ec_transfer_params`` of ``{content_hash: {"producer": worker_id}}``
+            and timings ``encode_s``, ``total_s``.
+
+        Raises:
+            EngineError: ``invalid_request`` (unsafe or wrong content hash),
+                ``engine_error`` (injected), ``unsupported_stage``.
+            EngineCrashed: the simulated engine died.
+
+        Cancellation: safe at any await; entries written so far stay (a cache).
+        Backpressure: none; each item costs ``encode_item_s`` + size x ``encode_kib_s``.
+        """
+        await self._admit("encode", (Role.ENCODE,))
+        with self._running():
+            start = trio.current_time()
+            items = self._checked_media(request.media)
+            begun = await self._prologue(self.config.encode_error_rate, "encode")
+            for item in items.values():
+                await _pause(self._encode_cost(item))
+                self._check_alive()
+                self._ec.put(
+                    EncoderCacheEntry(
+                        item.content_hash,
+                        self.worker_id,
+                        item.modality,
+                        len(item.data),
+                        self.config.media_tokens_per_item,
+                    )
+                )
+                self._counts.ec_entries_written += 1
+            now = trio.current_time()
+            params: dict[str, object] = {h: {"producer": self.worker_id} for h in items}
+            return StageResult(
+                request.request_id,
+                ec_transfer_params=params,
+                timings={"encode_s": now - begun, "total_s": now - start},
+            )
+
+    async def prefill(self, request: PrefillRequest) -> StageResult:
+        """Check the encoder cache, publish a KV handle, spend the prefill time.
+
+        Returns:
+            ``kv_transfer_params`` of ``{"sim_kv_handle", "producer",
+            "prompt_tokens"}``, ``prompt_tokens``, and timings ``encode_s``
+            (recompute), ``prefill_s``, ``total_s``.
+
+        Raises:
+            EngineError: ``missing_encoder_cache`` (strict mode),
+                ``invalid_request``, ``engine_error`` (injected), ``unsupported_stage``.
+            EngineCrashed: the simulated engine died.
+
+        Cancellation: the handle exists from the start of the prefill time on; if
+        the call is cancelled after that, the handle stays until ``abort`` (which
+        the runtime sends after a cancel) or its TTL.
+        Backpressure: none; costs ``prefill_token_s`` per prompt token.
+        """
+        await self._admit("prefill", (Role.PREFILL,))
+        with self._running():
+            start = trio.current_time()
+            items = self._checked_media(request.media)
+            digest = prompt_digest(request.prompt, request.media)
+            tokens = self._prompt_tokens(request.prompt, request.media)
+            await self._prologue(self.config.prefill_error_rate, "prefill")
+            encode_s = await self._load_encoder_outputs(items)
+            handle = self._create_handle(request.request_id, digest, tokens)
+            begun = trio.current_time()
+            await _pause(tokens * self.config.prefill_token_s)
+            self._check_alive()
+            now = trio.current_time()
+            return StageResult(
+                request.request_id,
+                kv_transfer_params={
+                    KV_HANDLE_KEY: handle,
+                    "producer": self.worker_id,
+                    "prompt_tokens": tokens,
+                },
+                prompt_tokens=tokens,
+                timings={"encode_s": encode_s, "prefill_s": now - begun, "total_s": now - start},
+            )
+
+    async def generate(self, request: GenerateRequest, emit: DeltaSink) -> None:
+        """Stream deterministic tokens; D consumes P's handle, PD prefills itself.
+
+        The final delta has ``finish_reason`` (``stop`` or ``length``), usage and
+        timings (``ttft_s``, ``decode_s``, ``total_s``; PD adds ``encode_s`` and
+        ``prefill_s``).
+
+        Raises:
+            EngineError: ``unknown_kv_handle`` (unknown, expired, consumed or
+                mismatched handle), ``invalid_request`` (D without a handle),
+                ``missing_encoder_cache`` (PD, strict), ``engine_error`` (injected,
+                before any token and before the handle is consumed),
+                ``unsupported_stage``.
+            EngineCrashed: the simulated engine died (``crash_after_tokens``).
+
+        Cancellation: safe at any await; a consumed handle is gone either way.
+        Backpressure: awaits ``emit`` for every delta; one token per delta when
+        paced (``output_token_s`` > 0), else ``tokens_per_delta`` per delta.
+        """
+        await self._admit("generate", (Role.DECODE, Role.PD))
+        with self._running():
+            start = trio.current_time()
+            decode = self.role == Role.DECODE
+            handle = _handle_from(request.kv_transfer_params) if decode else ""
+            items = {} if decode else self._checked_media(request.media)
+            digest = prompt_digest(request.prompt, request.media)
+            await self._prologue(self.config.generate_error_rate, "generate")
+            timings: dict[str, float] = {}
+            if decode:
+                prompt_tokens = self._consume(handle, digest)
+            else:
+                prompt_tokens = self._prompt_tokens(request.prompt, request.media)
+                timings["encode_s"] = await self._load_encoder_outputs(items)
+                begun = trio.current_time()
+                await _pause(prompt_tokens * self.config.prefill_token_s)
+                self._check_alive()
+                timings["prefill_s"] = trio.current_time() - begun
+            await self._stream(request, emit, digest, prompt_tokens, start, timings)
+
+    async def release(self, kv_transfer_params: dict[str, object]) -> bool:
+        """Free the named KV handle; False when it was already consumed or gone.
+
+        Raises:
+            EngineError: ``invalid_request`` when the params name no valid handle.
+
+        Cancellation: the work is done before the only (cancel-shielded)
+        checkpoint, so it completes even when called from a cancelled scope.
+        Backpressure: none.
+        """
+        self._sweep()
+        handle = _handle_from(kv_transfer_params)
+        found = self._kv.discard(handle)
+        self._forget(handle)
+        if found:
+            self._counts.releases_found += 1
+            self._counts.kv_handles_released += 1
+        else:
+            self._counts.releases_not_found += 1
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return found
+
+    async def abort(self, request_id: str) -> None:
+        """Free every KV handle this engine still holds for ``request_id``; idempotent.
+
+        Cancellation: as :meth:`release`, completes even in a cancelled scope.
+        Backpressure: none.
+        """
+        self._sweep()
+        self._counts.aborts += 1
+        for handle in self._by_request.pop(request_id, []):
+            self._own.pop(handle, None)
+            if self._kv.discard(handle):
+                self._counts.kv_handles_aborted += 1
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def is_ready(self) -> bool:
+        """True until the simulated engine crashes."""
+        return not self._crashed
+
+    def statistics(self) -> SimCounters:
+        """A snapshot of the counters (sweeps expired handles first inside Trio)."""
+        if trio.lowlevel.in_trio_run():
+            self._sweep()
+        for handle in [h for h in self._own if not self._kv.contains(h)]:
+            self._forget(handle)  # consumed (or released) through another engine
+        return SimCounters(
+            **dataclasses.asdict(self._counts),
+            kv_handles_outstanding=len(self._own),
+            in_flight=self._in_flight,
+            crashed=self._crashed,
+        )
+
+    # -- stage plumbing
+
+    async def _admit(self, stage: str, roles: tuple[Role, ...]) -> None:
+        await trio.lowlevel.checkpoint()
+        self._sweep()
+        self._check_alive()
+        if self.role not in roles:
+            raise EngineError(
+                ErrorCode.UNSUPPORTED_STAGE, f"a {self.role.value} worker does not serve {stage}"
+            )
+        setattr(self._counts, f"{stage}_requests", getattr(self._counts, f"{stage}_requests") + 1)
+        self._stage_requests += 1
+        if self._stage_requests == self.config.crash_on_request:
+            self._crash(f"stage request #{self._stage_requests} (crash_on_request)")
+
+    async def _prologue(self, error_rate: float, stage: str) -> float:
+        """Injected stall, then injected failure; returns when the work begins."""
+        if self.config.stall_s > 0:
+            await _pause(self.config.stall_s)
+            self._check_alive()
+        if error_rate > 0 and self._rng.random() < error_rate:
+            self._counts.errors_injected += 1
+            raise EngineError(
+                ErrorCode.ENGINE_ERROR,
+                f"injected {stage} failure on {self.worker_id}",
+                retryable=True,
+            )
+        return trio.current_time()
+
+    @contextmanager
+    def _running(self) -> Iterator[None]:
+        self._in_flight += 1
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+
+    def _checked_media(self, media: tuple[MediaItem, ...]) -> dict[str, MediaItem]:
+        distinct: dict[str, MediaItem] = {}
+        for item in media:
+            if not is_safe_key(item.content_hash):
+                raise _invalid(f"media content_hash must match {SAFE_KEY.pattern}")
+            if self.config.verify_media_hash and (
+                hashlib.sha256(item.data).hexdigest() != item.content_hash
+            ):
+                raise _invalid(f"media content_hash {item.content_hash} is not sha256 of its data")
+            distinct.setdefault(item.content_hash, item)
+        return distinct
+
+    def _encode_cost(self, item: MediaItem) -> float:
+        return self.config.encode_item_s + len(item.data) / 1024 * self.config.encode_kib_s
+
+    def _prompt_tokens(self, prompt: Prompt, media: tuple[MediaItem, ...]) -> int:
+        return count_prompt_tokens(prompt, media, self.config.media_tokens_per_item)
+
+    async def _load_encoder_outputs(self, items: dict[str, MediaItem]) -> float:
+        """Find every item's entry, or refuse (strict) / encode it here (recompute)."""
+        missing = [item for h, item in items.items() if self._ec.get(h) is None]
+        self._counts.ec_entries_read += len(items) - len(missing)
+        if missing and self.config.ec_mode == "strict":
+            hashes = ", ".join(item.content_hash[:16] for item in missing[:4])
+            raise EngineError(
+                ErrorCode.MISSING_ENCODER_CACHE,
+                f"no encoder-cache entry for {len(missing)} media item(s): {hashes}",
+            )
+        begun = trio.current_time()
+        for item in missing:
+            await _pause(self._encode_cost(item))
+            self._check_alive()
+            self._counts.recomputed_items += 1
+        return trio.current_time() - begun
+
+    # -- KV handles
+
+    def _create_handle(self, request_id: str, digest: str, prompt_tokens: int) -> str:
+        handle = secrets.token_hex(16)
+        expires_at = trio.current_time() + self.config.kv_ttl_s
+        self._kv.create(
+            KVEntry(
+                handle, self.worker_id, request_id, digest, prompt_tokens, expires_at, _run_token()
+            )
+        )
+        self._own[handle] = _Held(request_id, expires_at)
+        self._by_request.setdefault(request_id, []).append(handle)
+        self._counts.kv_handles_created += 1
+        return handle
+
+    def _consume(self, handle: str, digest: str) -> int:
+        """Validate, then take the handle atomically; returns the prompt length it holds."""
+        entry = self._kv.peek(handle)
+        if entry is None:
+            raise self._unknown(handle, "is unknown or already consumed")
+        if entry.clock == _run_token() and entry.expires_at <= trio.current_time():
+            raise self._unknown(handle, "expired")
+        if entry.prompt_digest != digest:
+            raise self._unknown(
+                handle, f"prompt mismatch: it holds the prefill of request {entry.request_id!r}"
+            )
+        if self._kv.take(handle) is None:
+            raise self._unknown(handle, "was consumed concurrently")
+        self._counts.kv_handles_consumed += 1
+        return entry.prompt_tokens
+
+    def _unknown(self, handle: str, why: str) -> EngineError:
+        return EngineError(ErrorCode.UNKNOWN_KV_HANDLE, f"KV handle {handle} {why}")
+
+    def _forget(self, handle: str) -> None:
+        held = self._own.pop(handle, None)
+        if held is None:
+            return
+        handles = self._by_request.get(held.request_id, [])
+        if handle in handles:
+            handles.remove(handle)
+        if not handles:
+            self._by_request.pop(held.request_id, None)
+
+    def _sweep(self) -> None:
+        """Discard this engine's handles whose TTL passed; unconsumed ones leaked."""
+        now = trio.current_time()
+        while self._own:
+            handle, held = next(iter(self._own.items()))
+            if held.expires_at > now:
+                return
+            self._forget(handle)
+            if self._kv.discard(handle):
+                self._counts.kv_handles_leaked += 1
+                logger.warning(
+                    "%s: KV handle %s of request %s expired unconsumed",
+                    self.worker_id,
+                    handle,
+                    held.request_id,
+                )
+
+    # -- failure
+
+    def _check_alive(self) -> None:
+        if self._crashed:
+            raise EngineCrashed(f"simulated engine {self.worker_id} has crashed")
+
+    def _crash(self, why: str) -> NoReturn:
+        if not self._crashed:
+            self._crashed = True
+            logger.warning("%s: simulated engine crash (%s)", self.worker_id, why)
+            for handle in list(self._own):
+                if self._kv.discard(handle):
+                    self._counts.kv_handles_lost += 1
+            self._own.clear()
+            self._by_request.clear()
+        raise EngineCrashed(f"simulated engine {self.worker_id} crashed: {why}")
+
+    # -- streaming
+
+    async def _stream(
+        self,
+        request: GenerateRequest,
+        emit: DeltaSink,
+        digest: str,
+        prompt_tokens: int,
+        start: float,
+        timings: dict[str, float],
+    ) -> None:
+        config, sampling, rid = self.config, request.sampling, request.request_id
+        source = _TokenSource(digest, sampling)
+        text = _StopText(sampling.stop)
+        chunk = 1 if config.output_token_s > 0 else config.tokens_per_delta
+        faults = {config.stall_after_tokens, config.crash_after_tokens}
+        ids: list[int] = []
+        logprobs: list[float] = []
+        produced = 0
+        first_at: float | None = None
+        await _pause(config.first_token_s)
+        while True:
+            self._check_alive()
+            if produced == config.crash_after_tokens:
+                self._crash(f"after {produced} tokens of {rid} (crash_after_tokens)")
+            if produced == config.stall_after_tokens:
+                await trio.sleep_forever()
+            token_id, logprob, piece = source.token(produced)
+            produced += 1
+            ids.append(token_id)
+            logprobs.append(logprob)
+            finish: str | None = None
+            if text.push(piece, may_stop=produced >= sampling.min_tokens):
+                finish = "stop"
+            elif produced >= sampling.max_tokens:
+                finish = "length"
+            if finish is None and len(ids) < chunk and produced not in faults:
+                continue
+            now = trio.current_time()
+            first_at = now if first_at is None else first_at
+            self._counts.tokens_generated += len(ids)
+            delta = Delta(
+                rid,
+                token_ids=tuple(ids),
+                text=text.take(final=finish is not None),
+                logprobs=tuple(logprobs) if sampling.logprobs is not None else None,
+            )
+            ids.clear()
+            logprobs.clear()
+            if finish is not None:
+                timings.update(
+                    ttft_s=first_at - start, decode_s=now - first_at, total_s=now - start
+                )
+                usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=produced)
+                await emit(
+                    dataclasses.replace(delta, finish_reason=finish, usage=usage, timings=timings)
+                )
+                return
+            await emit(delta)
+            await _pause(config.output_token_s)
+
+
+if TYPE_CHECKING:
+
+    def _conforms(engine: SimEngine) -> Engine:
+        return engine
