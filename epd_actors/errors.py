@@ -17,11 +17,13 @@ single exception from this tree::
     ├── WorkerError                   something went wrong on or with a worker
     │   ├── WorkerDisconnected        the connection dropped or never came up
     │   ├── HandshakeRejected         the worker refused our hello (token, version)
-    │   └── RemoteWorkerError         the worker answered a request with an error
+    │   ├── RemoteWorkerError         the worker answered a request with an error
+    │   └── StreamOverrun             a request read its replies too slowly and was aborted
     ├── Overloaded                    admission refused; retry later (HTTP 429/503)
     │   └── NoHealthyWorker           a needed pool has no usable worker (HTTP 503)
     ├── StageTimeout                  a deadline expired (HTTP 504)
     ├── RequestCancelled              the caller or the router cancelled the request
+    ├── ActorCrashed                  the stage actor holding the job crashed (restarted)
     ├── EngineError                   raised inside a worker by its engine; becomes an ErrorReply
     └── EngineCrashed                 the engine died; the worker goes down without goodbye
 """
@@ -128,6 +130,18 @@ class RemoteWorkerError(WorkerError):
         self.request_id = request_id
 
 
+class StreamOverrun(WorkerError):
+    """A request's replies arrived faster than its reader took them; it was aborted.
+
+    The connection's single reader never waits for one slow consumer: when a
+    request's bounded reply buffer is full, that request alone fails with this
+    error and the worker is told to abort it.  Not retryable: an overrun means a
+    stuck or broken consumer, and the same consumer would overrun again.
+    """
+
+    retryable = False
+
+
 class Overloaded(EpdError):
     """Admission refused: too much work in flight.  Retry after ``retry_after`` seconds."""
 
@@ -169,3 +183,7 @@ class EngineError(EpdError):
 
 class EngineCrashed(EpdError):
     """The engine died; the worker runtime tears the whole worker down without goodbye."""
+
+
+class ActorCrashed(EpdError):
+    """The stage actor running a request's job crashed; it is being restarted."""

@@ -23,3 +23,18 @@ CLEANUP_TIMEOUT_S: Final = 5.0
 
 # Seconds a new worker connection has to send its Hello.
 HANDSHAKE_TIMEOUT_S: Final = 10.0
+
+# Jobs waiting in one stage actor's inbox (jobs).  A full inbox makes the
+# submitting request wait (under its deadline): backpressure, not memory.
+ACTOR_INBOX_CAPACITY: Final = 64
+
+# Jobs one stage actor runs at once (jobs).  Far above what its workers take;
+# it exists so that a flood cannot create unbounded tasks.
+ACTOR_MAX_JOBS: Final = 4096
+
+# Stage events (deltas, results) buffered between a job and its request
+# (events).  The job blocks when its request's consumer falls behind.
+JOB_REPLY_BUFFER: Final = 32
+
+# Events buffered between a request's pipeline and its caller (events).
+REQUEST_EVENT_BUFFER: Final = 32

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -422,3 +423,30 @@ def test_fuzz_mutated_bodies_keep_framing(
     outcome = pump(FrameDecoder(), [stream])
     assert len(outcome.messages) + len(outcome.errors) == len(items) + 1
     assert outcome.messages[-1] == PING
+
+
+# ---------------------------------------------------------------- docs/protocol.md
+
+PROTOCOL_DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+
+
+def annotated_hex(block: str) -> bytes:
+    """The bytes of an annotated dump: the leading hex pairs of each line."""
+    out = bytearray()
+    for line in block.splitlines():
+        for token in line.split():
+            if len(token) != 2 or any(c not in "0123456789abcdef" for c in token):
+                break
+            out.append(int(token, 16))
+    return bytes(out)
+
+
+def test_the_documented_ping_frame_is_what_the_encoder_writes() -> None:
+    text = PROTOCOL_DOC.read_text(encoding="utf-8")
+    section = text.split("### 9.1", 1)[1]
+    dump = section.split("```", 2)[1]
+    assert annotated_hex(dump) == encode(Ping(nonce=1))
+    minimal = bytes.fromhex("82a474797065a470696e67a56e6f6e636501")
+    assert minimal.hex(" ") in text
+    decoder = FrameDecoder()
+    assert decoder.feed_all(bytes.fromhex("00000012") + minimal) == [Ping(nonce=1)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -32,7 +33,7 @@ from epd_actors.protocol import (
     encode,
 )
 from epd_actors.protocol.codec import HEADER
-from epd_actors.protocol.messages import STRUCTS_BY_TAG
+from epd_actors.protocol.messages import STRUCTS_BY_TAG, merge_deltas
 from tests.wire_strategies import (
     MESSAGE_STRATEGIES,
     NESTED_STRATEGIES,
@@ -124,14 +125,7 @@ def test_round_trip(cls: type[Message], data: st.DataObject) -> None:
     # Re-encoding what was decoded gives the same bytes: a relay is lossless.
     assert encode(decoded) == wire
     assert decode_body(wire[HEADER.size :]) == message
-
-
-@pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda cls: cls.TAG)
-@WIRE_SETTINGS
-@given(data=st.data())
-def test_wire_form_is_a_tagged_map_of_every_field(cls: type[Message], data: st.DataObject) -> None:
-    message = data.draw(MESSAGE_STRATEGIES[cls])
-    wire = encode(message)
+    # The wire form: a length header, then a map of the tag and every field.
     (size,) = HEADER.unpack_from(wire)
     assert size == len(wire) - HEADER.size
     body = msgpack.unpackb(wire[HEADER.size :], raw=False, strict_map_key=True)
@@ -603,3 +597,36 @@ def test_encode_rejects_what_is_not_a_message(value: object) -> None:
 def test_encode_rejects_values_msgpack_cannot_carry(message: Message) -> None:
     with pytest.raises(LocalProtocolError, match="cannot be encoded"):
         encode(message)
+
+
+# ---------------------------------------------------------------- merging deltas
+
+
+@st.composite
+def delta_runs(draw: st.DrawFn) -> list[Delta]:
+    """Consecutive deltas of one request; only the last may be terminal."""
+    run = draw(st.lists(MESSAGE_STRATEGIES[Delta], min_size=1, max_size=5))
+    body = [replace(d, request_id="r", finish_reason=None, usage=None, timings=None) for d in run]
+    return [*body[:-1], replace(run[-1], request_id="r")]
+
+
+@WIRE_SETTINGS
+@given(run=delta_runs())
+def test_merge_deltas_concatenates_in_order(run: list[Delta]) -> None:
+    merged = merge_deltas(run)
+    last = run[-1]
+    assert merged.request_id == "r"
+    assert merged.token_ids == tuple(t for d in run for t in d.token_ids)
+    assert merged.text == "".join(d.text for d in run)
+    assert (merged.finish_reason, merged.usage, merged.timings) == (
+        last.finish_reason,
+        last.usage,
+        last.timings,
+    )
+    with_tokens = [d for d in run if d.token_ids]
+    if len(run) > 1 and with_tokens and all(d.logprobs is not None for d in with_tokens):
+        assert merged.logprobs == tuple(lp for d in with_tokens for lp in d.logprobs or ())
+    elif len(run) > 1:
+        assert merged.logprobs is None
+    # The merged delta is itself valid and survives the wire.
+    assert decode_frame(encode(merged)) == merged

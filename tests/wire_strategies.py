@@ -63,7 +63,7 @@ WIRE_SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 # Fuzz tests are cheap per example and worth more of them.
-FUZZ_SETTINGS = settings(WIRE_SETTINGS, max_examples=150)
+FUZZ_SETTINGS = settings(WIRE_SETTINGS, max_examples=100)
 
 INT64_MIN = -(2**63)
 UINT64_MAX = 2**64 - 1

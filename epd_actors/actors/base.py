@@ -1,0 +1,260 @@
+"""The base stage actor: inbox, worker loop, job bookkeeping, statistics.
+
+Theory of operation
+-------------------
+An actor owns a bounded inbox (a memory channel of :class:`Job`) and, while
+``run`` is active, a nursery in which every job gets its own task.  The loop
+takes a job from the inbox, reserves a slot of the actor's
+``CapacityLimiter`` (``max_jobs``) for it and starts its task, so one slow job
+never holds up the inbox.  A job task leases a worker from the stage's pool
+(routing policy, per-worker in-flight limit), calls the subclass's
+:meth:`BaseActor.handle` with that worker's backend, and returns the lease.
+
+Requesters use :meth:`BaseActor.submit`, an async context manager that puts a
+job in the inbox and yields the receiving end of the job's reply channel;
+leaving it cancels the job, wherever it is (still queued, or running on a
+worker, in which case the backend aborts the work on the worker).
+
+Errors: a typed ``EpdError`` fails only its job (a ``StageFailure`` event).
+Anything else is a bug and crashes the actor: every job it holds is cancelled
+(their requesters see the reply channel close without an answer) and the
+exception propagates out of ``run`` to the supervisor, which restarts the actor
+with backoff.  The inbox outlives a crash, so queued jobs wait, not vanish.
+
+Subclasses set the class attributes and override ``handle`` (and, when the
+stage needs it, ``applies_to``, ``split`` and ``route_key``); they never touch
+the inbox, the nursery or the limiter.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import trio
+
+from ..errors import EpdError
+from ..limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, JOB_REPLY_BUFFER
+from ..routing import RouteKey, affinity_for_prompt
+from .jobs import Job, StageContext, StageEvent, StageFailure
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from ..backends.base import StageBackend
+    from ..lifecycle import Phase
+    from ..pool import WorkerPool
+    from ..protocol import GenerateRequest
+    from ..request import GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ActorStatistics:
+    """A snapshot of one actor."""
+
+    stage: str
+    queued: int
+    peak_queued: int
+    running: int
+    jobs_total: int
+    failures_total: int
+    capacity: int
+
+
+class BaseActor:
+    """A stage actor; see the module docstring.
+
+    Class attributes a stage sets:
+        stage: the registry key and the pool it draws workers from.
+        phase: the lifecycle phase a request is in while this stage runs.
+        order: where the stage sits in a plan (lower runs first).
+        produces_output: the stage streams the request's output tokens.
+        requires: stages that must be configured alongside this one.
+
+    Args:
+        pool: the workers of this stage.
+        inbox_capacity: jobs that may wait in the inbox.
+        max_jobs: jobs that may run at once.
+    """
+
+    stage: ClassVar[str]
+    phase: ClassVar[Phase]
+    order: ClassVar[int]
+    produces_output: ClassVar[bool] = False
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        *,
+        inbox_capacity: int = ACTOR_INBOX_CAPACITY,
+        max_jobs: int = ACTOR_MAX_JOBS,
+    ) -> None:
+        self.pool = pool
+        self._inbox_send, self._inbox_receive = trio.open_memory_channel[Job](inbox_capacity)
+        self._limiter = trio.CapacityLimiter(max_jobs)
+        self.jobs_total = 0
+        self.failures_total = 0
+
+    def __repr__(self) -> str:
+        stats = self.statistics()
+        return f"<{type(self).__name__} queued={stats.queued} running={stats.running}>"
+
+    # -- what a stage overrides
+
+    @classmethod
+    def applies_to(cls, request: GenerationRequest) -> bool:
+        """Whether a request needs this stage at all (default: yes)."""
+        return True
+
+    @classmethod
+    def split(cls, context: StageContext) -> list[int | None]:
+        """The items this stage fans out over (default: one job, no item)."""
+        return [None]
+
+    def route_key(self, job: Job) -> RouteKey:
+        """The routing key of a job (default: the session key, else the prompt prefix)."""
+        request = job.context.request
+        affinity = request.session_key or _prompt_affinity(request)
+        return RouteKey(job.request_id, affinity)
+
+    async def handle(self, job: Job, backend: StageBackend) -> None:
+        """Do the job on ``backend`` and send its events on ``job.reply``.
+
+        Raises:
+            EpdError: the job failed (the base class reports it).
+
+        Cancellation: may be cancelled at any await; the backend aborts the
+        worker's part of the work.
+        """
+        raise NotImplementedError
+
+    # -- shared helpers for stage classes
+
+    async def stream_output(
+        self, job: Job, backend: StageBackend, request: GenerateRequest
+    ) -> None:
+        """Relay a generate request's deltas to the job's requester.
+
+        Backpressure: waits while the requester's reply buffer is full.
+        """
+        async with backend.open_stream(request) as stream:
+            while True:
+                try:
+                    delta = await stream.receive()
+                except trio.EndOfChannel:
+                    return
+                await job.reply.send(delta)
+
+    # -- the actor machinery
+
+    def statistics(self) -> ActorStatistics:
+        inbox = self._inbox_send.statistics()
+        return ActorStatistics(
+            stage=self.stage,
+            queued=inbox.current_buffer_used,
+            peak_queued=inbox.peak_buffer_used,
+            running=self._limiter.borrowed_tokens,
+            jobs_total=self.jobs_total,
+            failures_total=self.failures_total,
+            capacity=int(self._limiter.total_tokens),
+        )
+
+    @asynccontextmanager
+    async def submit(
+        self, context: StageContext, item: int | None
+    ) -> AsyncIterator[tuple[Job, trio.MemoryReceiveChannel[StageEvent]]]:
+        """Queue a job; yield it (read-only) and its reply channel; cancel it on exit.
+
+        Backpressure: waits while the inbox is full.
+        Cancellation: leaving the block (normally or not) cancels the job.
+        """
+        reply_send, reply_receive = trio.open_memory_channel[StageEvent](JOB_REPLY_BUFFER)
+        job = Job(context, item, reply_send, enqueued_at=trio.current_time())
+        try:
+            await self._inbox_send.send(job)
+        except BaseException:
+            reply_send.close()
+            reply_receive.close()
+            raise
+        try:
+            with reply_receive:
+                yield job, reply_receive
+        finally:
+            job.cancel()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the inbox until cancelled; report ready once it accepts jobs.
+
+        Raises whatever crashed the actor (the supervisor restarts it).
+
+        Cancellation: cancels every running job; each job's backend aborts its
+        worker-side work within a shielded, bounded cleanup.
+        """
+        async with trio.open_nursery() as jobs:
+            task_status.started()
+            while True:
+                job = await self._inbox_receive.receive()
+                await self._limiter.acquire_on_behalf_of(job)
+                jobs.start_soon(self._run_job, job, name=f"{self.stage}:{job.request_id}")
+
+    async def _run_job(self, job: Job) -> None:
+        try:
+            async with job.reply:
+                with job.scope:
+                    await self._attempt(job)
+        finally:
+            job.finished_at = trio.current_time()
+            self._limiter.release_on_behalf_of(job)
+            if job.compensations and not job.handed_over:
+                await self._compensate(job)
+
+    async def _compensate(self, job: Job) -> None:
+        """Undo a job whose requester left before taking its result (shielded, bounded)."""
+        with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+            for compensation in job.hand_over():
+                try:
+                    await compensation()
+                except EpdError as exc:
+                    logger.warning(
+                        "%s job of %s: cleanup failed: %s", self.stage, job.request_id, exc
+                    )
+
+    async def _attempt(self, job: Job) -> None:
+        self.jobs_total += 1
+        job.started_at = trio.current_time()
+        try:
+            lease = await self.pool.lease(self.route_key(job))
+            job.worker_id = lease.member.worker_id
+            try:
+                await self.handle(job, lease.backend)
+            finally:
+                lease.release()
+        except EpdError as exc:
+            self.failures_total += 1
+            logger.info("%s job of %s failed: %s", self.stage, job.request_id, exc)
+            await self._report(job, StageFailure(exc))
+        except trio.BrokenResourceError:
+            logger.debug("%s job of %s: requester left", self.stage, job.request_id)
+
+    async def _report(self, job: Job, failure: StageFailure) -> None:
+        try:
+            await job.reply.send(failure)
+        except trio.BrokenResourceError:
+            logger.debug("%s job of %s: requester left", self.stage, job.request_id)
+
+
+def _prompt_affinity(request: GenerationRequest) -> str | None:
+    prompt = request.prompt
+    if prompt.text is not None:
+        return affinity_for_prompt(prompt.text)
+    if prompt.messages is not None:
+        text = "".join(p for m in prompt.messages for p in m.parts if isinstance(p, str))
+        return affinity_for_prompt(text) if text else None
+    if prompt.token_ids:
+        return affinity_for_prompt(" ".join(map(str, prompt.token_ids[:64])))
+    return None

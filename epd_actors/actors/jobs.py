@@ -1,0 +1,121 @@
+"""What flows between the supervisor and the stage actors.
+
+A request's pipeline carries a :class:`StageContext` from stage to stage.  For
+each stage the supervisor submits one :class:`Job` per item the actor class
+splits the context into (one per media item for encode, one otherwise).  A job
+answers on its own bounded reply channel with :data:`StageEvent`s: zero or more
+``Delta``s (stages that produce the output), one :class:`StageOutput` (stages
+that hand something to later stages), or one :class:`StageFailure`.  The job
+closes its reply channel when it ends; a channel that closes without a final
+event means the actor crashed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..protocol import Delta
+
+if TYPE_CHECKING:
+    from ..errors import EpdError
+    from ..request import GenerationRequest
+
+Compensation = Callable[[], Awaitable[object]]
+
+
+@dataclass(frozen=True, slots=True)
+class StageOutput:
+    """A stage's result for the stages after it.
+
+    Attributes:
+        ec_transfer_params: merged into the context's encoder transfer params.
+        kv_transfer_params: replaces the context's KV transfer params.
+        prompt_tokens: the prompt length the stage measured, if it did.
+    """
+
+    ec_transfer_params: dict[str, object] | None = None
+    kv_transfer_params: dict[str, object] | None = None
+    prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StageFailure:
+    """The job failed with a typed error."""
+
+    error: EpdError
+
+
+StageEvent = Delta | StageOutput | StageFailure
+
+
+@dataclass(slots=True)
+class StageContext:
+    """A request plus what its earlier stages produced."""
+
+    request: GenerationRequest
+    ec_transfer_params: dict[str, object] | None = None
+    kv_transfer_params: dict[str, object] | None = None
+    prompt_tokens: int | None = None
+
+    def absorb(self, output: StageOutput) -> None:
+        """Fold a stage's output into the context."""
+        if output.ec_transfer_params:
+            merged = dict(self.ec_transfer_params or {})
+            merged.update(output.ec_transfer_params)
+            self.ec_transfer_params = merged
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
+        if output.prompt_tokens is not None:
+            self.prompt_tokens = output.prompt_tokens
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """One unit of work for a stage actor.
+
+    Attributes:
+        context: the request and what earlier stages produced.
+        item: which part of the context this job covers (a media index for
+            encode), or ``None``.
+        reply: where the job's events go; the job task owns and closes it.
+        enqueued_at / started_at / finished_at: router clock readings.
+        worker_id: the worker the job ran on, once chosen.
+        scope: cancelled by the requester when it no longer wants the job.
+        compensations: what undoes the job's leftovers (a prefilled KV handle)
+            should the request not complete.  Whoever holds them runs them: the
+            job's own task, unless the requester took them over together with
+            the job's final event (:meth:`hand_over`).
+    """
+
+    context: StageContext
+    item: int | None
+    reply: trio.MemorySendChannel[StageEvent]
+    enqueued_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    worker_id: str | None = None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    compensations: list[Compensation] = field(default_factory=list)
+    handed_over: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.context.request.request_id
+
+    def add_compensation(self, compensation: Compensation) -> None:
+        """Register an undo step before announcing the result it undoes."""
+        self.compensations.append(compensation)
+
+    def hand_over(self) -> list[Compensation]:
+        """The requester takes the job's compensations (synchronously, with its result)."""
+        self.handed_over = True
+        taken, self.compensations = self.compensations, []
+        return taken
+
+    def cancel(self) -> None:
+        """Stop the job (before or while it runs); idempotent."""
+        self.scope.cancel(reason="requester no longer wants the job")

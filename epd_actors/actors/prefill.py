@@ -1,0 +1,42 @@
+"""P: prefill the prompt and hand its KV cache on; release it if nobody consumes it."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+from ..lifecycle import Phase
+from ..protocol import PrefillRequest
+from .base import BaseActor
+from .jobs import Job, StageOutput
+from .registry import register_stage
+
+if TYPE_CHECKING:
+    from ..backends.base import StageBackend
+
+
+@register_stage
+class PrefillActor(BaseActor):
+    """Returns P's ``kv_transfer_params``; releasing the handle is the compensation."""
+
+    stage = "prefill"
+    phase = Phase.PREFILLING
+    order = 20
+    requires = ("decode",)
+
+    async def handle(self, job: Job, backend: StageBackend) -> None:
+        context = job.context
+        request = context.request
+        result = await backend.run_stage(
+            PrefillRequest(
+                job.request_id,
+                request.prompt,
+                request.media,
+                request.sampling,
+                ec_transfer_params=context.ec_transfer_params,
+            )
+        )
+        kv = result.kv_transfer_params
+        if kv is not None:
+            job.add_compensation(partial(backend.release, kv))
+        await job.reply.send(StageOutput(kv_transfer_params=kv, prompt_tokens=result.prompt_tokens))

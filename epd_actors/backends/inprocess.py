@@ -1,0 +1,191 @@
+"""A backend that runs an engine inside the router's own process (no sockets).
+
+Useful to embed a simulated fleet in a Trio program or a test: the stage
+actors, pools and supervisor behave exactly as with remote workers, while
+the engine's methods are called directly.  ``disconnect()`` / ``reconnect()``
+and ``draining`` let tests flip the worker's state.
+
+Cancellation: a cancelled stage call or a stream left early calls
+``engine.abort(request_id)`` inside a shielded, bounded scope, as a remote
+worker would on ``Abort``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import trio
+
+from .._groups import single_exception
+from ..errors import EngineError, RemoteWorkerError, WorkerDisconnected
+from ..limits import CLEANUP_TIMEOUT_S, WORKER_DELTA_BUFFER
+from ..protocol import Delta, EncodeRequest, PrefillRequest
+from .base import BackendStatus
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from ..protocol import GenerateRequest, StageResult
+    from ..worker.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class _EngineStream:
+    """The deltas of one in-process generate call."""
+
+    def __init__(self, backend: InProcessBackend, request_id: str) -> None:
+        self._backend = backend
+        self._request_id = request_id
+        self.channel: trio.MemoryReceiveChannel[Delta] | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+
+    async def receive(self) -> Delta:
+        assert self.channel is not None
+        if self.finished:
+            raise trio.EndOfChannel
+        try:
+            delta = await self.channel.receive()
+        except trio.EndOfChannel:
+            if isinstance(self.error, EngineError):
+                raise self._backend._remote(self.error, self._request_id) from None
+            raise WorkerDisconnected(
+                f"worker {self._backend.worker_id} ended the stream without a finish reason"
+            ) from None
+        if delta.finish_reason is not None:
+            self.finished = True
+        return delta
+
+
+class InProcessBackend:
+    """One engine, called directly.
+
+    Args:
+        worker_id: the worker's id in its pool.
+        engine: the engine doing the work.
+        stage: the stage name used in error reports.
+    """
+
+    def __init__(self, worker_id: str, engine: Engine, *, stage: str = "") -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.stage = stage or engine.role.value
+        self.connected = True
+        self.draining = False
+        self.in_flight = 0
+        self.aborts_sent = 0
+        self._connected_event = trio.Event()
+        self._connected_event.set()
+
+    def __repr__(self) -> str:
+        return f"<InProcessBackend {self.worker_id} connected={self.connected}>"
+
+    def status(self) -> BackendStatus:
+        return BackendStatus(
+            connected=self.connected,
+            draining=self.draining,
+            ready=self.engine.is_ready(),
+            worker_load=self.in_flight,
+        )
+
+    def disconnect(self) -> None:
+        """Make the worker unreachable (new calls fail with WorkerDisconnected)."""
+        self.connected = False
+        self._connected_event = trio.Event()
+
+    def reconnect(self) -> None:
+        self.connected = True
+        self._connected_event.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Nothing to maintain; reports started and waits to be cancelled."""
+        task_status.started()
+        await trio.sleep_forever()
+
+    async def wait_connected(self) -> None:
+        await self._connected_event.wait()
+
+    def _check_connected(self) -> None:
+        if not self.connected:
+            raise WorkerDisconnected(f"worker {self.worker_id} is not connected")
+
+    def _remote(self, exc: EngineError, request_id: str) -> RemoteWorkerError:
+        return RemoteWorkerError(
+            exc.code,
+            exc.detail,
+            retryable=exc.retryable,
+            worker_id=self.worker_id,
+            stage=self.stage,
+            request_id=request_id,
+        )
+
+    async def _abort(self, request_id: str) -> None:
+        self.aborts_sent += 1
+        with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+            await self.engine.abort(request_id)
+
+    async def run_stage(self, request: EncodeRequest | PrefillRequest) -> StageResult:
+        """Run encode or prefill on the engine (see ``StageBackend.run_stage``)."""
+        self._check_connected()
+        self.in_flight += 1
+        finished = False
+        try:
+            if isinstance(request, EncodeRequest):
+                result = await self.engine.encode(request)
+            else:
+                result = await self.engine.prefill(request)
+            finished = True
+            return result
+        except EngineError as exc:
+            finished = True
+            raise self._remote(exc, request.request_id) from None
+        finally:
+            self.in_flight -= 1
+            if not finished:
+                await self._abort(request.request_id)
+
+    @asynccontextmanager
+    async def open_stream(self, request: GenerateRequest) -> AsyncIterator[_EngineStream]:
+        """Run generate on the engine in a task; yield its delta stream."""
+        self._check_connected()
+        stream = _EngineStream(self, request.request_id)
+        send, receive = trio.open_memory_channel[Delta](WORKER_DELTA_BUFFER)
+        stream.channel = receive
+        self.in_flight += 1
+        try:
+            with single_exception():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._generate, request, send, stream)
+                    try:
+                        with receive:
+                            yield stream
+                    finally:
+                        nursery.cancel_scope.cancel(reason="stream closed")
+        finally:
+            self.in_flight -= 1
+            if not stream.finished:
+                await self._abort(request.request_id)
+
+    async def _generate(
+        self,
+        request: GenerateRequest,
+        send: trio.MemorySendChannel[Delta],
+        stream: _EngineStream,
+    ) -> None:
+        async with send:
+            try:
+                await self.engine.generate(request, send.send)
+            except EngineError as exc:
+                stream.error = exc
+            except trio.BrokenResourceError:
+                logger.debug("stream %s closed by its reader", request.request_id)
+
+    async def release(self, kv_transfer_params: dict[str, object]) -> bool:
+        self._check_connected()
+        try:
+            return await self.engine.release(kv_transfer_params)
+        except EngineError as exc:
+            raise self._remote(exc, "release") from None

@@ -1,0 +1,178 @@
+"""Router configuration: pools, workers, deadlines and limits, validated at start-up.
+
+Every option has a default and a unit; an invalid value raises ``ConfigError``
+naming the offending key (``pools.encode.policy``, ``deadlines.request_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .addresses import parse_address
+from .errors import ConfigError
+from .limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS
+from .routing import POLICY_NAMES
+
+BACKEND_KINDS = ("native",)
+
+DEFAULT_POLICIES: dict[str, str] = {
+    "encode": "consistent_hash",
+    "prefill": "least_in_flight",
+    "decode": "least_in_flight",
+    "pd": "least_in_flight",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEndpoint:
+    """One worker of a pool.
+
+    Attributes:
+        worker_id: unique across the whole router.
+        address: ``tcp://HOST:PORT`` or ``unix:PATH`` (native backend).
+        backend: how to reach it (``native``).
+    """
+
+    worker_id: str
+    address: str
+    backend: str = "native"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """The workers of one stage and how to route among them.
+
+    Attributes:
+        stage: ``encode``, ``prefill``, ``decode`` or ``pd`` (or a registered stage).
+        workers: its workers (may be empty and filled at run time).
+        policy: a routing policy name (see ``routing.POLICY_NAMES``); default
+            per stage: consistent hashing on the media hash for encode,
+            least-in-flight elsewhere.
+        max_in_flight_per_worker: jobs one worker may hold from this router.
+    """
+
+    stage: str
+    workers: tuple[WorkerEndpoint, ...] = ()
+    policy: str | None = None
+    max_in_flight_per_worker: int = 256
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy or DEFAULT_POLICIES.get(self.stage, "least_in_flight")
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """Every deadline of a request (seconds).
+
+    Attributes:
+        request_timeout_s: the whole request, from receipt to the last token.
+        first_token_timeout_s: from the output stage's start to its first token.
+        inter_token_timeout_s: between two output tokens.
+        cleanup_timeout_s: how long aborts and releases may take after a
+            request failed or was cancelled.
+    """
+
+    request_timeout_s: float = 600.0
+    first_token_timeout_s: float = 120.0
+    inter_token_timeout_s: float = 60.0
+    cleanup_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ActorLimits:
+    """Per-actor bounds.
+
+    Attributes:
+        inbox_capacity: jobs waiting in one actor's inbox.
+        max_jobs: jobs one actor runs at once.
+        restart_backoff_start_s / restart_backoff_max_s: restart delays after
+            an actor crash (doubling).
+    """
+
+    inbox_capacity: int = ACTOR_INBOX_CAPACITY
+    max_jobs: int = ACTOR_MAX_JOBS
+    restart_backoff_start_s: float = 0.1
+    restart_backoff_max_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything the router needs to start.
+
+    Attributes:
+        pools: one per configured stage.
+        auth_token: presented to native workers in the handshake.
+        model: the model name the router serves.
+        deadlines: request deadlines.
+        actors: actor bounds.
+    """
+
+    pools: tuple[PoolConfig, ...]
+    auth_token: str = ""
+    model: str = "sim-model"
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    actors: ActorLimits = field(default_factory=ActorLimits)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def pool(self, stage: str) -> PoolConfig | None:
+        for pool in self.pools:
+            if pool.stage == stage:
+                return pool
+        return None
+
+
+def _positive(key: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{key} must be a positive number, got {value!r}")
+
+
+def validate(config: RouterConfig) -> None:
+    """Check every field; raise ``ConfigError`` naming the first bad key."""
+    if not config.pools:
+        raise ConfigError("pools: at least one pool is needed")
+    seen_stages: set[str] = set()
+    seen_workers: set[str] = set()
+    for pool in config.pools:
+        key = f"pools.{pool.stage}"
+        if pool.stage in seen_stages:
+            raise ConfigError(f"{key}: configured twice")
+        seen_stages.add(pool.stage)
+        if pool.policy_name not in POLICY_NAMES:
+            raise ConfigError(
+                f"{key}.policy: unknown policy {pool.policy_name!r} "
+                f"(choose from {', '.join(POLICY_NAMES)})"
+            )
+        if pool.max_in_flight_per_worker < 1:
+            raise ConfigError(f"{key}.max_in_flight_per_worker must be >= 1")
+        for index, worker in enumerate(pool.workers):
+            worker_key = f"{key}.workers[{index}]"
+            if not worker.worker_id:
+                raise ConfigError(f"{worker_key}.id must not be empty")
+            if worker.worker_id in seen_workers:
+                raise ConfigError(f"{worker_key}.id: duplicate worker id {worker.worker_id!r}")
+            seen_workers.add(worker.worker_id)
+            if worker.backend not in BACKEND_KINDS:
+                raise ConfigError(
+                    f"{worker_key}.backend: unknown backend {worker.backend!r} "
+                    f"(choose from {', '.join(BACKEND_KINDS)})"
+                )
+            parse_address(worker.address, key=f"{worker_key}.address")
+    deadlines = config.deadlines
+    for name in (
+        "request_timeout_s",
+        "first_token_timeout_s",
+        "inter_token_timeout_s",
+        "cleanup_timeout_s",
+    ):
+        _positive(f"deadlines.{name}", getattr(deadlines, name))
+    actors = config.actors
+    if actors.inbox_capacity < 0:
+        raise ConfigError("actors.inbox_capacity must be >= 0")
+    if actors.max_jobs < 1:
+        raise ConfigError("actors.max_jobs must be >= 1")
+    _positive("actors.restart_backoff_start_s", actors.restart_backoff_start_s)
+    _positive("actors.restart_backoff_max_s", actors.restart_backoff_max_s)

@@ -1,0 +1,209 @@
+"""A pool of workers for one stage: membership, eligibility, in-flight counts, leases.
+
+Theory of operation: a :class:`WorkerPool` holds one :class:`PoolMember` per
+worker (its backend plus the router's own bookkeeping).  To run a job an actor
+asks for a :class:`Lease`: the pool filters the members that can take work now
+(connected, engine ready, not draining, below ``max_in_flight_per_worker``,
+not excluded by the caller), lets the pool's routing policy pick one (a pure,
+synchronous decision), and counts the job against that member until the lease
+is released.  When every usable member is at its limit the caller waits for a
+slot (bounded by the request's deadline, which the caller owns); when no member
+is usable at all the pool refuses at once with ``NoHealthyWorker``.
+
+Membership changes at run time (``add``/``remove``/``drain``) take effect for
+the next lease; leases already granted finish normally.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from .errors import ConfigError, NoHealthyWorker
+from .routing import Candidate, Policy, RouteKey
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
+
+    from .backends.base import StageBackend
+
+logger = logging.getLogger(__name__)
+
+
+class PoolMember:
+    """One worker in a pool."""
+
+    __slots__ = ("backend", "drained", "in_flight", "served", "worker_id")
+
+    def __init__(self, backend: StageBackend) -> None:
+        self.backend = backend
+        self.worker_id = backend.worker_id
+        self.in_flight = 0
+        self.served = 0
+        self.drained = False
+
+    def __repr__(self) -> str:
+        return f"<PoolMember {self.worker_id} in_flight={self.in_flight}>"
+
+    def usable(self) -> bool:
+        """Connected, ready, and neither the worker nor an operator is draining it."""
+        status = self.backend.status()
+        return status.connected and status.ready and not status.draining and not self.drained
+
+
+@dataclass(frozen=True, slots=True)
+class MemberStatistics:
+    """One member's state, for /health and metrics."""
+
+    worker_id: str
+    usable: bool
+    connected: bool
+    draining: bool
+    in_flight: int
+    served: int
+
+
+class Lease:
+    """The right to run one job on one member; release it exactly once."""
+
+    __slots__ = ("_pool", "member", "released")
+
+    def __init__(self, pool: WorkerPool, member: PoolMember) -> None:
+        self._pool = pool
+        self.member = member
+        self.released = False
+
+    @property
+    def backend(self) -> StageBackend:
+        return self.member.backend
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._pool._return(self.member)
+
+
+class WorkerPool:
+    """The workers of one stage.
+
+    Args:
+        stage: the stage name (``encode``, ``prefill``, ``decode``, ``pd``, ...).
+        policy: the routing policy choosing among usable members.
+        max_in_flight_per_worker: jobs one worker may hold from this router.
+    """
+
+    def __init__(self, stage: str, policy: Policy, *, max_in_flight_per_worker: int) -> None:
+        if max_in_flight_per_worker < 1:
+            raise ConfigError(f"pools.{stage}.max_in_flight_per_worker must be >= 1")
+        self.stage = stage
+        self.policy = policy
+        self.max_in_flight_per_worker = max_in_flight_per_worker
+        self._members: dict[str, PoolMember] = {}
+        self._slot_freed = trio.lowlevel.ParkingLot()
+
+    def __repr__(self) -> str:
+        return f"<WorkerPool {self.stage} members={len(self._members)}>"
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    @property
+    def members(self) -> list[PoolMember]:
+        return list(self._members.values())
+
+    def get(self, worker_id: str) -> PoolMember | None:
+        return self._members.get(worker_id)
+
+    def add(self, backend: StageBackend) -> PoolMember:
+        """Add a worker (its backend must already be running)."""
+        if backend.worker_id in self._members:
+            raise ConfigError(f"worker {backend.worker_id!r} is already in pool {self.stage!r}")
+        member = PoolMember(backend)
+        self._members[backend.worker_id] = member
+        logger.info("pool %s: added worker %s", self.stage, backend.worker_id)
+        return member
+
+    def remove(self, worker_id: str) -> PoolMember:
+        """Take a worker out of the pool; its in-flight jobs finish normally."""
+        member = self._members.pop(worker_id)
+        logger.info("pool %s: removed worker %s", self.stage, worker_id)
+        return member
+
+    def drain(self, worker_id: str) -> None:
+        """Stop giving the worker new jobs (operator drain)."""
+        self._members[worker_id].drained = True
+
+    def usable_count(self) -> int:
+        return sum(member.usable() for member in self._members.values())
+
+    def statistics(self) -> list[MemberStatistics]:
+        out = []
+        for member in self._members.values():
+            status = member.backend.status()
+            out.append(
+                MemberStatistics(
+                    worker_id=member.worker_id,
+                    usable=member.usable(),
+                    connected=status.connected,
+                    draining=status.draining or member.drained,
+                    in_flight=member.in_flight,
+                    served=member.served,
+                )
+            )
+        return out
+
+    def try_lease(self, key: RouteKey, *, exclude: Iterable[str] = ()) -> Lease | None:
+        """Pick a member now, or return None if every usable one is full.
+
+        Raises:
+            NoHealthyWorker: no member is usable at all (after ``exclude``).
+        """
+        excluded = set(exclude)
+        usable = [
+            m for m in self._members.values() if m.worker_id not in excluded and m.usable()
+        ]
+        if not usable:
+            raise NoHealthyWorker(f"no healthy {self.stage} worker", retry_after=1.0)
+        limit = self.max_in_flight_per_worker
+        open_members = {m.worker_id: m for m in usable if m.in_flight < limit}
+        if not open_members:
+            return None
+        candidates = [Candidate(m.worker_id, m.in_flight) for m in open_members.values()]
+        choice = self.policy.choose(candidates, key)
+        assert choice is not None, "a policy returns None only for no candidates"
+        member = open_members[choice.worker_id]
+        member.in_flight += 1
+        member.served += 1
+        return Lease(self, member)
+
+    async def lease(self, key: RouteKey, *, exclude: Iterable[str] = ()) -> Lease:
+        """Pick a member, waiting for a free slot when every usable one is full.
+
+        Raises:
+            NoHealthyWorker: no member is usable (checked again after each wait).
+
+        Cancellation: safe; nothing is held until the lease is returned.
+        Backpressure: waits while all usable members are at their limit.
+        """
+        excluded = tuple(exclude)
+        while True:
+            granted = self.try_lease(key, exclude=excluded)
+            if granted is not None:
+                return granted
+            await self._slot_freed.park()
+
+    @contextmanager
+    def leased(self, lease: Lease) -> Iterator[StageBackend]:
+        """Run a block on a lease's backend and always return the lease."""
+        try:
+            yield lease.backend
+        finally:
+            lease.release()
+
+    def _return(self, member: PoolMember) -> None:
+        member.in_flight -= 1
+        self._slot_freed.unpark()

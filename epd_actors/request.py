@@ -1,0 +1,108 @@
+"""What a caller asks the router for, and the typed events it gets back.
+
+These are the public types of the embeddable API; the HTTP and WebSocket front
+ends translate to and from them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .protocol import MediaItem, Prompt, SamplingParams, Usage
+
+if TYPE_CHECKING:
+    from .errors import EpdError
+
+
+def new_request_id() -> str:
+    """A fresh, unguessable request id."""
+    return "req-" + secrets.token_hex(12)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation, as the router sees it.
+
+    Attributes:
+        prompt: text, token ids, or chat messages (media referenced by index).
+        media: the request's media items, in the order the prompt refers to them.
+        sampling: sampling parameters for the output.
+        request_id: unique id; the front ends honour a client's ``x-request-id``.
+        session_key: optional affinity key (consistent-hash routing).
+        timeout_s: whole-request deadline; ``None`` uses the configured one.
+    """
+
+    prompt: Prompt
+    media: tuple[MediaItem, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=new_request_id)
+    session_key: str | None = None
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Where a request's time went (seconds, on the router's clock).
+
+    Attributes:
+        queue_wait_s: time jobs waited in actor inboxes and for a worker slot
+            (the longest wait of each stage, summed over stages).
+        stages: stage name -> wall time of that stage (fan-out: first start to
+            last finish).
+        ttft_s: request received -> first output token (None if none came).
+        total_s: request received -> final event.
+        workers: stage name -> the worker ids that served it.
+    """
+
+    queue_wait_s: float
+    stages: dict[str, float]
+    ttft_s: float | None
+    total_s: float
+    workers: dict[str, tuple[str, ...]]
+
+    def header_value(self) -> str:
+        """``stage=ms`` pairs for a response header (``x-epd-timings``)."""
+        parts = [f"{name}={seconds * 1000:.1f}" for name, seconds in self.stages.items()]
+        parts.append(f"queue={self.queue_wait_s * 1000:.1f}")
+        if self.ttft_s is not None:
+            parts.append(f"ttft={self.ttft_s * 1000:.1f}")
+        parts.append(f"total={self.total_s * 1000:.1f}")
+        return ";".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaEvent:
+    """New output: text and its token ids (and logprobs when asked for)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UsageEvent:
+    """Token counts; sent once, just before :class:`DoneEvent`."""
+
+    usage: Usage
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEvent:
+    """The request finished normally; always the last event."""
+
+    finish_reason: str
+    usage: Usage
+    timings: RequestTimings
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvent:
+    """The request failed; always the last event.  ``error`` is a single typed error."""
+
+    error: EpdError
+    timings: RequestTimings
+
+
+GenerationEvent = DeltaEvent | UsageEvent | DoneEvent | ErrorEvent

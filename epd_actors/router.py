@@ -1,0 +1,192 @@
+"""The embeddable API: ``async with open_router(config) as router: ...``.
+
+Theory of operation: :func:`open_router` builds one backend per configured
+worker and one pool per stage, starts every backend's connection supervisor
+and the :class:`~epd_actors.supervisor.Supervisor` in a nursery it owns, and
+yields a :class:`Router`.  Leaving the block cancels everything: in-flight
+requests end, their workers are told to abort, connections close.
+
+Example::
+
+    async with open_router(config) as router:
+        await router.wait_ready()
+        async with router.generate(GenerationRequest(Prompt(text="hi"))) as events:
+            async for event in events:
+                ...
+
+Public coroutines raise single typed ``EpdError``s, never exception groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from .addresses import parse_address
+from .backends.base import ManagedBackend
+from .config import RouterConfig, WorkerEndpoint
+from .errors import ConfigError, NoHealthyWorker
+from .pool import MemberStatistics, WorkerPool
+from .routing import make_policy
+from .supervisor import Supervisor, SupervisorStatistics
+
+if TYPE_CHECKING:
+    from .request import GenerationEvent, GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+BackendFactory = Callable[[WorkerEndpoint, RouterConfig], ManagedBackend]
+
+
+def native_backend_factory(endpoint: WorkerEndpoint, config: RouterConfig) -> ManagedBackend:
+    """Build the native backend of ``endpoint``."""
+    from .backends.native import NativeBackend
+
+    return NativeBackend(
+        endpoint.worker_id,
+        parse_address(endpoint.address),
+        auth_token=config.auth_token,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RouterStatistics:
+    """Everything the router counts, for /health and /metrics."""
+
+    supervisor: SupervisorStatistics
+    pools: dict[str, list[MemberStatistics]]
+
+
+class Router:
+    """A running router; obtained from :func:`open_router`."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        supervisor: Supervisor,
+        pools: dict[str, WorkerPool],
+        nursery: trio.Nursery,
+        backend_factory: BackendFactory,
+    ) -> None:
+        self.config = config
+        self.supervisor = supervisor
+        self.pools = pools
+        self._nursery = nursery
+        self._backend_factory = backend_factory
+        self.backends: dict[str, ManagedBackend] = {}
+        self._backend_scopes: dict[str, trio.CancelScope] = {}
+
+    def __repr__(self) -> str:
+        return f"<Router topology={'+'.join(self.supervisor.topology)}>"
+
+    def generate(
+        self, request: GenerationRequest
+    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
+        """Run one request; the block yields its events (see ``Supervisor.generate``)."""
+        return self.supervisor.generate(request)
+
+    def statistics(self) -> RouterStatistics:
+        return RouterStatistics(
+            supervisor=self.supervisor.statistics(),
+            pools={stage: pool.statistics() for stage, pool in self.pools.items()},
+        )
+
+    async def wait_ready(self) -> None:
+        """Wait until every pool has at least one connected worker.
+
+        Raises:
+            NoHealthyWorker: a pool has no workers configured at all.
+        """
+        for stage, pool in self.pools.items():
+            if not len(pool):
+                raise NoHealthyWorker(f"pool {stage!r} has no workers")
+            async with trio.open_nursery() as nursery:
+                for member in pool.members:
+                    backend = self.backends[member.worker_id]
+                    nursery.start_soon(_first_connected, backend, nursery.cancel_scope)
+
+    async def add_worker(self, stage: str, endpoint: WorkerEndpoint) -> None:
+        """Add a worker to a running router (its connection starts at once).
+
+        Raises:
+            ConfigError: unknown stage or duplicate worker id.
+        """
+        pool = self.pools.get(stage)
+        if pool is None:
+            raise ConfigError(f"no pool for stage {stage!r}")
+        if any(p.get(endpoint.worker_id) for p in self.pools.values()):
+            raise ConfigError(f"worker id {endpoint.worker_id!r} already exists")
+        backend = self._backend_factory(endpoint, self.config)
+        scope = await self._nursery.start(_run_backend, backend)
+        self._backend_scopes[endpoint.worker_id] = scope
+        self.backends[endpoint.worker_id] = backend
+        pool.add(backend)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Remove a worker; its in-flight jobs are cancelled with its connection.
+
+        Raises:
+            ConfigError: unknown worker id.
+        """
+        for pool in self.pools.values():
+            if pool.get(worker_id) is not None:
+                pool.remove(worker_id)
+                del self.backends[worker_id]
+                self._backend_scopes.pop(worker_id).cancel(reason="worker removed")
+                return
+        raise ConfigError(f"unknown worker {worker_id!r}")
+
+
+async def _first_connected(backend: ManagedBackend, scope: trio.CancelScope) -> None:
+    await backend.wait_connected()
+    scope.cancel(reason="a worker of the pool is connected")
+
+
+async def _run_backend(
+    backend: ManagedBackend,
+    *,
+    task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with trio.CancelScope() as scope:
+        task_status.started(scope)
+        await backend.run()
+
+
+@asynccontextmanager
+async def open_router(
+    config: RouterConfig, *, backend_factory: BackendFactory | None = None
+) -> AsyncIterator[Router]:
+    """Start a router for ``config``; stop it when the block exits.
+
+    Args:
+        config: pools, workers, deadlines and limits.
+        backend_factory: builds a backend per worker (default: native).
+
+    Cancellation: leaving the block cancels every request and connection;
+    workers are told to abort within shielded, bounded cleanups.
+    """
+    factory = backend_factory or native_backend_factory
+    pools = {
+        pool.stage: WorkerPool(
+            pool.stage,
+            make_policy(pool.policy_name),
+            max_in_flight_per_worker=pool.max_in_flight_per_worker,
+        )
+        for pool in config.pools
+    }
+    supervisor = Supervisor(pools, deadlines=config.deadlines, limits=config.actors)
+    async with trio.open_nursery() as nursery:
+        router = Router(config, supervisor, pools, nursery, factory)
+        for pool in config.pools:
+            for endpoint in pool.workers:
+                await router.add_worker(pool.stage, endpoint)
+        await nursery.start(supervisor.run)
+        try:
+            yield router
+        finally:
+            nursery.cancel_scope.cancel(reason="router closed")

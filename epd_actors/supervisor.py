@@ -1,0 +1,428 @@
+"""The supervisor: owns the stage actors, plans requests, drives their pipelines.
+
+Theory of operation
+-------------------
+*Actors.*  One actor per configured pool, built from the stage registry.  Each
+runs under :meth:`Supervisor._keep_running`, which restarts a crashed actor
+after a doubling backoff and counts the restart; the actor's inbox survives,
+so only the jobs the actor held fail (with ``ActorCrashed``).
+
+*Planning.*  The topology is the set of configured stages.  A request's plan is
+the configured actors, in their class ``order``, whose ``applies_to`` accepts
+the request (a text-only request skips encode).  Exactly one configured stage
+produces the output, and every stage's ``requires`` must be configured; this is
+checked once, at start-up.  Nothing here branches on a stage's name.
+
+*Pipelines.*  :meth:`Supervisor.generate` runs one request in a task of its own
+under one cancel scope with the request's deadline.  For each stage in the
+plan it submits one job per item the actor splits the context into (fan-out
+runs concurrently), folds each job's ``StageOutput`` into the context, and
+relays the output stage's deltas to the caller, under the first-token and
+inter-token timeouts.  Every request ends with exactly one final event:
+``DoneEvent`` (after a ``UsageEvent``) or ``ErrorEvent``.
+
+*Cancellation.*  The caller leaving, the deadline, or router shutdown cancels
+the pipeline; every job still running is cancelled, and each backend aborts
+its worker-side work (shielded, bounded).  Compensations registered by finished
+stages (P's KV release) run, shielded and bounded, whenever a request does not
+complete -- so a handle P produced is released if D never consumed it.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from .actors import STAGE_ACTORS, BaseActor, StageContext, StageFailure, StageOutput
+from .actors.registry import actor_class
+from .config import ActorLimits, Deadlines
+from .errors import (
+    ActorCrashed,
+    ConfigError,
+    EpdError,
+    RequestCancelled,
+    StageTimeout,
+)
+from .lifecycle import Lifecycle, Phase
+from .limits import REQUEST_EVENT_BUFFER
+from .protocol import Delta, Usage
+from .request import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    GenerationEvent,
+    GenerationRequest,
+    RequestTimings,
+    UsageEvent,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from .actors.jobs import Compensation, StageEvent
+    from .pool import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorStatistics:
+    """Counters of the supervisor."""
+
+    requests_in_flight: int
+    requests_total: int
+    requests_failed: int
+    requests_cancelled: int
+    actor_restarts: dict[str, int]
+    compensations_run: int
+
+
+@dataclass(slots=True)
+class _RequestRecord:
+    """Per-request bookkeeping: lifecycle, timings, output so far, compensations."""
+
+    request: GenerationRequest
+    received_at: float
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    stage_times: dict[str, float] = field(default_factory=dict)
+    queue_wait_s: float = 0.0
+    workers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    first_token_at: float | None = None
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    compensations: list[Compensation] = field(default_factory=list)
+
+    def timings(self) -> RequestTimings:
+        now = trio.current_time()
+        ttft = None if self.first_token_at is None else self.first_token_at - self.received_at
+        return RequestTimings(
+            queue_wait_s=self.queue_wait_s,
+            stages=dict(self.stage_times),
+            ttft_s=ttft,
+            total_s=now - self.received_at,
+            workers=dict(self.workers),
+        )
+
+
+class Supervisor:
+    """Owns the actors of a router and runs request pipelines.
+
+    Args:
+        pools: stage name -> pool; one actor is built per pool.
+        deadlines: request deadlines.
+        limits: actor bounds and restart backoff.
+        registry: stage name -> actor class (defaults to the built-in registry).
+    """
+
+    def __init__(
+        self,
+        pools: dict[str, WorkerPool],
+        *,
+        deadlines: Deadlines | None = None,
+        limits: ActorLimits | None = None,
+        registry: dict[str, type[BaseActor]] | None = None,
+    ) -> None:
+        self.deadlines = deadlines or Deadlines()
+        self.limits = limits or ActorLimits()
+        registry = STAGE_ACTORS if registry is None else registry
+        self.actors: dict[str, BaseActor] = {
+            stage: actor_class(stage, registry)(
+                pool,
+                inbox_capacity=self.limits.inbox_capacity,
+                max_jobs=self.limits.max_jobs,
+            )
+            for stage, pool in pools.items()
+        }
+        self._ordered = sorted(self.actors.values(), key=lambda actor: actor.order)
+        _check_topology(self._ordered)
+        self.actor_restarts = dict.fromkeys(self.actors, 0)
+        self.requests_in_flight = 0
+        self.requests_total = 0
+        self.requests_failed = 0
+        self.requests_cancelled = 0
+        self.compensations_run = 0
+
+    def __repr__(self) -> str:
+        return f"<Supervisor stages={[a.stage for a in self._ordered]}>"
+
+    @property
+    def topology(self) -> tuple[str, ...]:
+        """The configured stages in plan order (e.g. ``('encode', 'prefill', 'decode')``)."""
+        return tuple(actor.stage for actor in self._ordered)
+
+    def plan(self, request: GenerationRequest) -> list[BaseActor]:
+        """The actors a request goes through, in order."""
+        return [actor for actor in self._ordered if actor.applies_to(request)]
+
+    def statistics(self) -> SupervisorStatistics:
+        return SupervisorStatistics(
+            requests_in_flight=self.requests_in_flight,
+            requests_total=self.requests_total,
+            requests_failed=self.requests_failed,
+            requests_cancelled=self.requests_cancelled,
+            actor_restarts=dict(self.actor_restarts),
+            compensations_run=self.compensations_run,
+        )
+
+    # -- actors
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run every actor (restarting crashed ones) until cancelled.
+
+        Reports ready once every actor accepts jobs.
+        """
+        async with trio.open_nursery() as nursery:
+            for actor in self._ordered:
+                await nursery.start(self._keep_running, actor, name=f"actor:{actor.stage}")
+            task_status.started()
+
+    async def _keep_running(
+        self, actor: BaseActor, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        backoff = self.limits.restart_backoff_start_s
+        status: trio.TaskStatus[None] = task_status
+        while True:
+            try:
+                await actor.run(task_status=status)
+            except Exception:
+                self.actor_restarts[actor.stage] += 1
+                logger.exception(
+                    "actor %s crashed; restarting in %.2fs (restart %d)",
+                    actor.stage,
+                    backoff,
+                    self.actor_restarts[actor.stage],
+                )
+            status = trio.TASK_STATUS_IGNORED
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, self.limits.restart_backoff_max_s)
+
+    # -- requests
+
+    @asynccontextmanager
+    async def generate(
+        self, request: GenerationRequest
+    ) -> AsyncIterator[trio.MemoryReceiveChannel[GenerationEvent]]:
+        """Run ``request``; yield the channel its events arrive on.
+
+        The last event is always a ``DoneEvent`` or an ``ErrorEvent``.
+
+        Cancellation: leaving the block early cancels the request; its workers
+        are told to abort and compensations run (shielded, bounded).
+        Backpressure: the pipeline waits while ``REQUEST_EVENT_BUFFER`` events
+        are unread.
+        """
+        send, receive = trio.open_memory_channel[GenerationEvent](REQUEST_EVENT_BUFFER)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                self._run_request, request, send, name=f"request:{request.request_id}"
+            )
+            try:
+                with receive:
+                    yield receive
+            finally:
+                nursery.cancel_scope.cancel(reason="caller left the request")
+
+    async def _run_request(
+        self, request: GenerationRequest, events: trio.MemorySendChannel[GenerationEvent]
+    ) -> None:
+        record = _RequestRecord(request, trio.current_time())
+        self.requests_total += 1
+        self.requests_in_flight += 1
+        completed = False
+        try:
+            async with events:
+                final = await self._outcome(record, events)
+                completed = isinstance(final, DoneEvent)
+                if isinstance(final, ErrorEvent) and isinstance(final.error, RequestCancelled):
+                    record.lifecycle.advance(Phase.CANCELLED)
+                    self.requests_cancelled += 1
+                else:
+                    record.lifecycle.advance(Phase.DONE if completed else Phase.FAILED)
+                    self.requests_failed += not completed
+                try:
+                    await events.send(final)
+                except trio.BrokenResourceError:
+                    logger.debug("request %s: caller left before its result", request.request_id)
+        finally:
+            self.requests_in_flight -= 1
+            if not record.lifecycle.finished:
+                record.lifecycle.advance(Phase.CANCELLED)
+                self.requests_cancelled += 1
+            if not completed:
+                await self._compensate(record)
+
+    async def _outcome(
+        self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
+    ) -> DoneEvent | ErrorEvent:
+        request = record.request
+        timeout = request.timeout_s or self.deadlines.request_timeout_s
+        try:
+            with trio.move_on_after(timeout):
+                return await self._pipeline(record, events)
+            raise StageTimeout(
+                f"request {request.request_id} exceeded its {timeout:g}s deadline "
+                f"while {record.lifecycle.phase.value}",
+                phase="request",
+            )
+        except EpdError as exc:
+            logger.info("request %s failed: %s", request.request_id, exc)
+            return ErrorEvent(exc, record.timings())
+        except trio.BrokenResourceError:
+            # The caller closed its end of the event channel: it left.
+            return ErrorEvent(
+                RequestCancelled(f"request {request.request_id}: caller left"), record.timings()
+            )
+
+    async def _pipeline(
+        self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
+    ) -> DoneEvent:
+        plan = self.plan(record.request)
+        record.lifecycle.advance(Phase.PLANNED)
+        context = StageContext(record.request)
+        for actor in plan:
+            record.lifecycle.advance(actor.phase)
+            await self._run_stage(actor, context, record, events)
+        if record.finish_reason is None:
+            raise ActorCrashed("the output stage ended without a finish reason")
+        usage = record.usage or Usage(context.prompt_tokens or 0, record.completion_tokens)
+        await events.send(UsageEvent(usage))
+        return DoneEvent(record.finish_reason, usage, record.timings())
+
+    async def _run_stage(
+        self,
+        actor: BaseActor,
+        context: StageContext,
+        record: _RequestRecord,
+        events: trio.MemorySendChannel[GenerationEvent],
+    ) -> None:
+        started = trio.current_time()
+        items = actor.split(context)
+        failures: list[EpdError] = []
+        workers: list[str] = []
+        waits: list[float] = []
+
+        async def run_one(item: int | None) -> None:
+            try:
+                await self._run_job(actor, context, item, record, events, workers, waits)
+            except EpdError as exc:
+                failures.append(exc)
+                nursery.cancel_scope.cancel(reason=f"{actor.stage} job failed")
+
+        async with trio.open_nursery() as nursery:
+            for item in items:
+                nursery.start_soon(run_one, item, name=f"{actor.stage}:{record.request.request_id}")
+        if failures:
+            raise failures[0]
+        record.stage_times[actor.stage] = trio.current_time() - started
+        record.workers[actor.stage] = tuple(workers)
+        record.queue_wait_s += max(waits, default=0.0)
+
+    async def _run_job(
+        self,
+        actor: BaseActor,
+        context: StageContext,
+        item: int | None,
+        record: _RequestRecord,
+        events: trio.MemorySendChannel[GenerationEvent],
+        workers: list[str],
+        waits: list[float],
+    ) -> None:
+        async with actor.submit(context, item) as (job, replies):
+            first = True
+            while True:
+                event = await self._next_event(actor, replies, first=first)
+                first = False
+                if event is None:
+                    raise ActorCrashed(
+                        f"{actor.stage} actor ended request {record.request.request_id}'s job "
+                        "without an answer"
+                    )
+                if await self._absorb(event, context, record, events):
+                    record.compensations.extend(job.hand_over())
+                    if job.started_at is not None:
+                        waits.append(job.started_at - job.enqueued_at)
+                    if job.worker_id is not None:
+                        workers.append(job.worker_id)
+                    return
+
+    async def _next_event(
+        self,
+        actor: BaseActor,
+        replies: trio.MemoryReceiveChannel[StageEvent],
+        *,
+        first: bool,
+    ) -> StageEvent | None:
+        if not actor.produces_output:
+            try:
+                return await replies.receive()
+            except trio.EndOfChannel:
+                return None
+        deadlines = self.deadlines
+        timeout, phase = (
+            (deadlines.first_token_timeout_s, "first_token")
+            if first
+            else (deadlines.inter_token_timeout_s, "inter_token")
+        )
+        with trio.move_on_after(timeout):
+            try:
+                return await replies.receive()
+            except trio.EndOfChannel:
+                return None
+        raise StageTimeout(f"no {phase.replace('_', ' ')} within {timeout:g}s", phase=phase)
+
+    async def _absorb(
+        self,
+        event: StageEvent,
+        context: StageContext,
+        record: _RequestRecord,
+        events: trio.MemorySendChannel[GenerationEvent],
+    ) -> bool:
+        """Apply one stage event; True when it was the job's final event."""
+        if isinstance(event, Delta):
+            if event.token_ids or event.text:
+                if record.first_token_at is None:
+                    record.first_token_at = trio.current_time()
+                record.completion_tokens += len(event.token_ids)
+                await events.send(DeltaEvent(event.text, event.token_ids, event.logprobs))
+            if event.finish_reason is None:
+                return False
+            record.finish_reason = event.finish_reason
+            record.usage = event.usage
+            return True
+        if isinstance(event, StageOutput):
+            context.absorb(event)
+            return True
+        assert isinstance(event, StageFailure)
+        raise event.error
+
+    async def _compensate(self, record: _RequestRecord) -> None:
+        """Undo what finished stages left behind (shielded, bounded)."""
+        if not record.compensations:
+            return
+        with trio.move_on_after(self.deadlines.cleanup_timeout_s, shield=True):
+            for compensation in record.compensations:
+                self.compensations_run += 1
+                try:
+                    await compensation()
+                except EpdError as exc:
+                    logger.warning("request %s: cleanup failed: %s", record.request.request_id, exc)
+        record.compensations.clear()
+
+
+def _check_topology(actors: list[BaseActor]) -> None:
+    stages = {actor.stage for actor in actors}
+    outputs = [actor.stage for actor in actors if actor.produces_output]
+    if len(outputs) != 1:
+        raise ConfigError(
+            f"pools: exactly one output stage must be configured, got {outputs or 'none'} "
+            "(configure decode with prefill, or pd)"
+        )
+    for actor in actors:
+        missing = [stage for stage in actor.requires if stage not in stages]
+        if missing:
+            raise ConfigError(f"pools.{actor.stage}: needs pools {missing} configured as well")
