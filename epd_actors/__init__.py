@@ -1,3 +1,66 @@
-"""epd_actors: a Trio-native router for Encode/Prefill/Decode disaggregated LLM serving."""
+"""epd_actors: a Trio-native router for Encode/Prefill/Decode disaggregated LLM serving.
+
+The embeddable API::
+
+    async with epd_actors.open_router(config) as router:
+        async with router.generate(request) as events:
+            async for event in events:
+                ...
+"""
+
+from .config import ActorLimits, Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
+from .errors import (
+    ConfigError,
+    EpdError,
+    InvalidRequest,
+    NoHealthyWorker,
+    Overloaded,
+    RemoteWorkerError,
+    RequestCancelled,
+    StageTimeout,
+    WorkerError,
+)
+from .protocol import ChatMessage, MediaItem, Prompt, SamplingParams, Usage
+from .request import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    GenerationEvent,
+    GenerationRequest,
+    RequestTimings,
+    UsageEvent,
+)
+from .router import Router, open_router
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ActorLimits",
+    "ChatMessage",
+    "ConfigError",
+    "Deadlines",
+    "DeltaEvent",
+    "DoneEvent",
+    "EpdError",
+    "ErrorEvent",
+    "GenerationEvent",
+    "GenerationRequest",
+    "InvalidRequest",
+    "MediaItem",
+    "NoHealthyWorker",
+    "Overloaded",
+    "PoolConfig",
+    "Prompt",
+    "RemoteWorkerError",
+    "RequestCancelled",
+    "RequestTimings",
+    "Router",
+    "RouterConfig",
+    "SamplingParams",
+    "StageTimeout",
+    "Usage",
+    "UsageEvent",
+    "WorkerEndpoint",
+    "WorkerError",
+    "open_router",
+]

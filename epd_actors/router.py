@@ -31,6 +31,7 @@ from .addresses import parse_address
 from .backends.base import ManagedBackend
 from .config import RouterConfig, WorkerEndpoint
 from .errors import ConfigError, NoHealthyWorker
+from .metrics import RouterMetrics
 from .pool import MemberStatistics, WorkerPool
 from .routing import make_policy
 from .supervisor import Supervisor, SupervisorStatistics
@@ -72,8 +73,10 @@ class Router:
         pools: dict[str, WorkerPool],
         nursery: trio.Nursery,
         backend_factory: BackendFactory,
+        metrics: RouterMetrics,
     ) -> None:
         self.config = config
+        self.metrics = metrics
         self.supervisor = supervisor
         self.pools = pools
         self._nursery = nursery
@@ -179,9 +182,13 @@ async def open_router(
         )
         for pool in config.pools
     }
-    supervisor = Supervisor(pools, deadlines=config.deadlines, limits=config.actors)
+    metrics = RouterMetrics()
+    supervisor = Supervisor(
+        pools, deadlines=config.deadlines, limits=config.actors, observer=metrics
+    )
     async with trio.open_nursery() as nursery:
-        router = Router(config, supervisor, pools, nursery, factory)
+        router = Router(config, supervisor, pools, nursery, factory, metrics)
+        metrics.watch(router.statistics)
         for pool in config.pools:
             for endpoint in pool.workers:
                 await router.add_worker(pool.stage, endpoint)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -96,6 +96,7 @@ class _RequestRecord:
     finish_reason: str | None = None
     usage: Usage | None = None
     compensations: list[Compensation] = field(default_factory=list)
+    error: EpdError | None = None
 
     def timings(self) -> RequestTimings:
         now = trio.current_time()
@@ -109,6 +110,25 @@ class _RequestRecord:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """How one request ended, for observers (metrics, logs)."""
+
+    request_id: str
+    phase: Phase
+    error: EpdError | None
+    timings: RequestTimings
+    completion_tokens: int
+
+
+class RequestObserver(Protocol):
+    """Told about every request once it ended (synchronously; keep it cheap)."""
+
+    def request_finished(self, outcome: RequestOutcome) -> None:
+        """Record ``outcome``; must not raise (errors are logged and ignored)."""
+        ...
+
+
 class Supervisor:
     """Owns the actors of a router and runs request pipelines.
 
@@ -117,6 +137,7 @@ class Supervisor:
         deadlines: request deadlines.
         limits: actor bounds and restart backoff.
         registry: stage name -> actor class (defaults to the built-in registry).
+        observer: told about every finished request (metrics).
     """
 
     def __init__(
@@ -126,7 +147,9 @@ class Supervisor:
         deadlines: Deadlines | None = None,
         limits: ActorLimits | None = None,
         registry: dict[str, type[BaseActor]] | None = None,
+        observer: RequestObserver | None = None,
     ) -> None:
+        self.observer = observer
         self.deadlines = deadlines or Deadlines()
         self.limits = limits or ActorLimits()
         registry = STAGE_ACTORS if registry is None else registry
@@ -255,6 +278,23 @@ class Supervisor:
                 self.requests_cancelled += 1
             if not completed:
                 await self._compensate(record)
+            self._observe(record)
+
+    def _observe(self, record: _RequestRecord) -> None:
+        if self.observer is None:
+            return
+        try:
+            self.observer.request_finished(
+                RequestOutcome(
+                    request_id=record.request.request_id,
+                    phase=record.lifecycle.phase,
+                    error=record.error,
+                    timings=record.timings(),
+                    completion_tokens=record.completion_tokens,
+                )
+            )
+        except Exception:
+            logger.exception("request observer failed on %s", record.request.request_id)
 
     async def _outcome(
         self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
@@ -271,6 +311,7 @@ class Supervisor:
             )
         except EpdError as exc:
             logger.info("request %s failed: %s", request.request_id, exc)
+            record.error = exc
             return ErrorEvent(exc, record.timings())
         except trio.BrokenResourceError:
             # The caller closed its end of the event channel: it left.

@@ -22,6 +22,7 @@ description of these fields for implementers in other languages.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -81,6 +82,11 @@ class MediaItem:
     def __post_init__(self) -> None:
         require("/" in self.mime_type, f"mime_type {self.mime_type!r} is not type/subtype")
         require(self.content_hash != "", "content_hash must not be empty")
+
+    @classmethod
+    def from_bytes(cls, data: bytes, mime_type: str) -> MediaItem:
+        """An item whose ``content_hash`` is computed from ``data``."""
+        return cls(mime_type, data, hashlib.sha256(data).hexdigest())
 
     @property
     def modality(self) -> str:

@@ -1,0 +1,950 @@
+"""The router's client for one native worker: a supervised, multiplexed connection.
+
+Theory of operation
+-------------------
+A :class:`NativeBackend` stands for one worker.  Its :meth:`NativeBackend.run`
+task (started by the supervisor with ``nursery.start``) is the connection
+supervisor.  It reports "started" at once -- a router must come up while some
+workers are down -- and then loops:
+
+1. dial (within ``connect_timeout_s``) and handshake (within
+   ``handshake_timeout_s``): ``Hello`` with the auth token, ``Welcome`` back,
+   kept as :attr:`NativeBackend.welcome`.  An ``ErrorReply`` is a
+   ``HandshakeRejected``: logged at error level and retried after the longest
+   backoff, since an operator may fix the token without restarting the router;
+2. serve the connection with two tasks in one nursery: the *reader* decodes
+   frames and routes each reply to its request; the *heartbeat* sends ``Ping``
+   every ``heartbeat_interval_s`` inside a watchdog scope whose deadline every
+   ``Pong`` pushes ``heartbeat_timeout_s`` ahead.  The first task to fail (a
+   lost stream, a protocol error, a missed pong) or a deliberate close ends
+   the connection, and only the connection: ``run`` logs and carries on;
+3. fail every request still in flight on it with ``WorkerDisconnected``;
+4. wait a jittered exponential backoff (back to its start value after a
+   connection that was welcomed) and start again at 1.
+
+Requests.  ``run_stage``, ``open_stream`` and ``release`` register a
+:class:`_Pending` entry under the request id (a duplicate is a
+``LocalProtocolError``), write the request, and read the replies from the
+entry's bounded channel.  The reader never waits for a consumer: it uses
+``send_nowait``, and a full channel fails *that* request with ``StreamOverrun``
+and aborts it on the worker, while every other request carries on.  A failure
+(overrun, lost connection) is raised by the request's next receive, dropping
+replies still buffered; a request whose terminal reply has arrived is never
+failed.  Messages for request ids nobody waits for (a late ``Aborted``, replies
+to an abandoned request) are ignored at debug level.  A message that breaks the
+protocol (garbage, a message only clients send, a reply of the wrong kind)
+closes the connection, is logged at error level, and the supervisor reconnects.
+
+Cancellation.  Every exit from a request before its terminal reply -- a
+cancelled caller, a stream context left early, an overrun -- sends ``Abort`` and
+waits for ``Aborted``, shielded and bounded by ``abort_timeout_s``; the entry is
+unregistered on every path, so ``statistics().in_flight`` is exact.  A frame is
+written whole or the connection is closed: a request is written in a shielded
+scope bounded by ``write_timeout_s`` (a cancelled caller waits for its own
+frame, not for a reply), and an interrupted write closes the connection,
+because a partial frame would garble every request multiplexed behind it.
+
+Drain.  After the worker's ``Goodbye``, ``status().draining`` stays true until
+a new connection is welcomed.  New stage requests are refused locally with
+``RemoteWorkerError(code="draining", retryable=True)`` -- the answer the worker
+would give -- while releases still go through and in-flight work finishes.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import random
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import trio
+
+from .. import addresses
+from ..errors import (
+    ConfigError,
+    ConnectionLost,
+    HandshakeRejected,
+    LocalProtocolError,
+    RemoteProtocolError,
+    RemoteWorkerError,
+    StreamOverrun,
+    WorkerDisconnected,
+    WorkerError,
+)
+from ..limits import CLEANUP_TIMEOUT_S
+from ..protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Abort,
+    Aborted,
+    Delta,
+    EncodeRequest,
+    ErrorCode,
+    ErrorReply,
+    GenerateRequest,
+    Goodbye,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    PrefillRequest,
+    Release,
+    Released,
+    StageResult,
+    Welcome,
+    WorkerStats,
+)
+from ..transport import FramedStream
+from .base import BackendStatus
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+
+    from ..addresses import Address
+
+logger = logging.getLogger(__name__)
+
+_Reply = StageResult | Delta | ErrorReply | Released
+_Outgoing = EncodeRequest | PrefillRequest | GenerateRequest | Release
+
+# What each kind of request may be answered with (anything else closes the connection).
+_STAGE_REPLIES = (StageResult, ErrorReply)
+_STREAM_REPLIES = (Delta, ErrorReply)
+_RELEASE_REPLIES = (Released, ErrorReply)
+
+_DURATIONS = (
+    "connect_timeout_s",
+    "handshake_timeout_s",
+    "heartbeat_interval_s",
+    "heartbeat_timeout_s",
+    "reconnect_backoff_start_s",
+    "reconnect_backoff_max_s",
+    "abort_timeout_s",
+    "write_timeout_s",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NativeSettings:
+    """Deadlines and capacities of one native worker connection.
+
+    Attributes:
+        connect_timeout_s: how long one dial may take (seconds).
+        handshake_timeout_s: how long the worker has to answer ``Hello`` (seconds).
+        heartbeat_interval_s: time between two ``Ping``s (seconds).
+        heartbeat_timeout_s: no ``Pong`` for this long and the connection is
+            declared dead (seconds); must exceed the interval.
+        reconnect_backoff_start_s: the wait before the first reconnect
+            (seconds); it doubles after each failed attempt.
+        reconnect_backoff_max_s: the longest wait, also used after a rejected
+            handshake (seconds).
+        reconnect_jitter: the random share of each wait: a wait of ``b`` is
+            ``b * (1 - jitter * U[0, 1))``; 0 disables jitter.
+        request_buffer: replies one request may have waiting for its reader
+            (messages).  The worker merges queued tokens into one frame, so a
+            consumer this far behind is stuck or broken, not slow: it fails with
+            ``StreamOverrun`` rather than stall the connection's only reader.
+        abort_timeout_s: how long cleanup waits for ``Aborted`` (seconds).
+        write_timeout_s: how long writing one frame may take before the
+            connection is given up as stuck (seconds).
+        max_frame_bytes: frame limit in both directions (bytes).
+    """
+
+    connect_timeout_s: float = 5.0
+    handshake_timeout_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 3.0
+    reconnect_backoff_start_s: float = 0.1
+    reconnect_backoff_max_s: float = 5.0
+    reconnect_jitter: float = 0.5
+    request_buffer: int = 256
+    abort_timeout_s: float = 2.0
+    write_timeout_s: float = 10.0
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+
+    def __post_init__(self) -> None:
+        for name in _DURATIONS:
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.reconnect_backoff_max_s < self.reconnect_backoff_start_s:
+            raise ConfigError("reconnect_backoff_max_s must be >= reconnect_backoff_start_s")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
+        if not 0.0 <= self.reconnect_jitter <= 1.0:
+            raise ConfigError(f"reconnect_jitter must be in [0, 1], got {self.reconnect_jitter!r}")
+        for name in ("request_buffer", "max_frame_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+DEFAULT_SETTINGS = NativeSettings()
+
+
+@dataclass(frozen=True, slots=True)
+class NativeBackendStatistics:
+    """A snapshot of one backend's counters.
+
+    Attributes:
+        in_flight: registered requests (stage, stream and release).
+        connects: handshakes that succeeded.
+        connect_failures: attempts that failed before a ``Welcome`` (not rejections).
+        handshake_rejections: attempts the worker refused.
+        disconnects: welcomed connections that ended.
+        overruns: requests failed with ``StreamOverrun``.
+        aborts_sent: ``Abort`` frames written (or being written).
+        last_rtt_s: round trip of the latest answered ``Ping``.
+        role, model: from the latest ``Welcome``.
+    """
+
+    worker_id: str
+    connected: bool
+    draining: bool
+    in_flight: int
+    connects: int
+    connect_failures: int
+    handshake_rejections: int
+    disconnects: int
+    overruns: int
+    aborts_sent: int
+    last_rtt_s: float | None
+    role: str | None
+    model: str | None
+
+
+class _Outcome(enum.Enum):
+    """How one connection attempt ended; decides the next backoff."""
+
+    WELCOMED = "welcomed"
+    FAILED = "failed"
+    REJECTED = "rejected"
+
+
+class _Connection:
+    """One welcomed connection: its stream, its task scope and its heartbeat state."""
+
+    __slots__ = ("framed", "nonce", "nursery", "pings", "reason", "scope", "watchdog", "welcome")
+
+    def __init__(self, framed: FramedStream, welcome: Welcome) -> None:
+        self.framed = framed
+        self.welcome = welcome
+        self.scope = trio.CancelScope()
+        self.watchdog = trio.CancelScope()
+        self.nursery: trio.Nursery | None = None
+        self.nonce = 0
+        self.pings: dict[int, float] = {}  # nonce -> send time, of unanswered pings
+        self.reason: str | None = None
+
+    def close(self, reason: str) -> None:
+        """End the connection (its tasks are cancelled); the first reason sticks."""
+        if self.reason is None:
+            self.reason = reason
+        self.scope.cancel(reason=reason)
+
+
+class _Pending:
+    """One registered request: its bounded reply channel and how far it got.
+
+    ``accepting``: the reader may still deliver replies.  ``failure``: set once;
+    the next receive raises it.  ``settled``: the worker holds nothing more for
+    the request (its terminal reply or ``Aborted`` arrived, or the connection
+    is gone), so cleanup need not abort it.
+    """
+
+    __slots__ = (
+        "abort_sent",
+        "abortable",
+        "accepting",
+        "connection",
+        "expects",
+        "failure",
+        "receive_channel",
+        "request_id",
+        "send_channel",
+        "sent",
+        "settled",
+        "stage",
+        "worker_id",
+    )
+
+    def __init__(
+        self,
+        message: _Outgoing,
+        connection: _Connection,
+        *,
+        worker_id: str,
+        expects: tuple[type[_Reply], ...],
+        capacity: int,
+    ) -> None:
+        self.request_id = message.request_id
+        self.stage = message.TAG
+        self.worker_id = worker_id
+        self.connection = connection
+        self.expects = expects
+        self.abortable = not isinstance(message, Release)
+        self.send_channel, self.receive_channel = trio.open_memory_channel[_Reply](capacity)
+        self.accepting = True
+        self.failure: WorkerError | None = None
+        self.settled = trio.Event()
+        self.sent = False
+        self.abort_sent = False
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+        self.send_channel.close()
+
+    def settle(self) -> None:
+        self.stop_accepting()
+        self.settled.set()
+
+    def fail(self, failure: WorkerError) -> None:
+        if self.failure is None:
+            self.failure = failure
+        self.stop_accepting()
+
+    async def receive(self) -> _Reply:
+        """The next reply; an ``ErrorReply`` is raised as ``RemoteWorkerError``.
+
+        Raises:
+            trio.EndOfChannel: the terminal reply was already received.
+            RemoteWorkerError, WorkerDisconnected, StreamOverrun: the request failed.
+        """
+        if self.failure is not None:
+            raise self.failure
+        try:
+            reply = await self.receive_channel.receive()
+        except trio.EndOfChannel:
+            if self.failure is not None:
+                raise self.failure from None
+            raise
+        if isinstance(reply, ErrorReply):
+            raise RemoteWorkerError(
+                reply.code,
+                reply.message,
+                retryable=reply.retryable,
+                worker_id=self.worker_id,
+                stage=self.stage,
+                request_id=self.request_id,
+            )
+        return reply
+
+
+class NativeDeltaStream:
+    """The deltas of one generate request (a ``DeltaStream``); ``async for`` works too.
+
+    Valid only inside the ``open_stream`` context that made it.
+    """
+
+    __slots__ = ("_pending",)
+
+    def __init__(self, pending: _Pending) -> None:
+        self._pending = pending
+
+    def __repr__(self) -> str:
+        return f"<NativeDeltaStream {self._pending.request_id} on {self._pending.worker_id}>"
+
+    async def receive(self) -> Delta:
+        """The next delta.
+
+        Raises:
+            trio.EndOfChannel: the terminal delta was already returned.
+            RemoteWorkerError: the worker answered with an error.
+            WorkerDisconnected: the connection was lost.
+            StreamOverrun: this stream was read too slowly and was aborted.
+
+        Cancellation: safe; nothing is lost (the context's exit aborts the request).
+        Backpressure: none towards the worker; a reader that falls
+        ``request_buffer`` replies behind gets ``StreamOverrun``.
+        """
+        reply = await self._pending.receive()
+        assert isinstance(reply, Delta)  # the reader checked the reply kind
+        return reply
+
+    def __aiter__(self) -> NativeDeltaStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+
+class NativeBackend:
+    """One native worker, as the stage actors see it (a ``StageBackend``).
+
+    See the module docstring for how the connection is kept and multiplexed.
+
+    Args:
+        worker_id: the router's name for the worker (logs, errors).
+        address: where the worker listens.
+        auth_token: presented in ``Hello``; never logged.
+        settings: deadlines and capacities.
+        client_id: how this router introduces itself.
+        connect: opens a byte stream to the worker; defaults to dialling
+            ``address``.  Tests pass one that returns a memory stream.
+        rng: source of the reconnect jitter.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        address: Address,
+        *,
+        auth_token: str,
+        settings: NativeSettings = DEFAULT_SETTINGS,
+        client_id: str = "epd_actors-router",
+        connect: Callable[[], Awaitable[trio.abc.Stream]] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.address = address
+        self.settings = settings
+        self.client_id = client_id
+        self.welcome: Welcome | None = None
+        self._auth_token = auth_token
+        self._connect = connect or partial(addresses.open_stream, address)
+        self._rng = rng or random.Random()
+        self._running = False
+        self._conn: _Connection | None = None
+        self._connected = trio.Event()
+        self._draining = False
+        self._worker_stats: WorkerStats | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._serial = 0
+        self._failures_in_a_row = 0
+        self._connects = 0
+        self._connect_failures = 0
+        self._rejections = 0
+        self._disconnects = 0
+        self._overruns = 0
+        self._aborts_sent = 0
+        self._last_rtt_s: float | None = None
+
+    def __repr__(self) -> str:
+        state = "disconnected" if self._conn is None else "connected"
+        if self._draining:
+            state += ",draining"
+        return (
+            f"<NativeBackend {self.worker_id} {self.address} {state} "
+            f"in_flight={len(self._pending)}>"
+        )
+
+    # ------------------------------------------------------------ introspection
+
+    def status(self) -> BackendStatus:
+        """Connection and readiness as the pool routes by them (no I/O)."""
+        stats = self._worker_stats
+        return BackendStatus(
+            connected=self._conn is not None,
+            draining=self._draining,
+            ready=self._conn is not None and stats is not None and stats.engine_ready,
+            worker_load=0 if stats is None else stats.running + stats.queued,
+        )
+
+    def statistics(self) -> NativeBackendStatistics:
+        """A snapshot of the counters (cheap; safe at any time)."""
+        welcome = self.welcome
+        return NativeBackendStatistics(
+            worker_id=self.worker_id,
+            connected=self._conn is not None,
+            draining=self._draining,
+            in_flight=len(self._pending),
+            connects=self._connects,
+            connect_failures=self._connect_failures,
+            handshake_rejections=self._rejections,
+            disconnects=self._disconnects,
+            overruns=self._overruns,
+            aborts_sent=self._aborts_sent,
+            last_rtt_s=self._last_rtt_s,
+            role=None if welcome is None else welcome.role,
+            model=None if welcome is None else welcome.model,
+        )
+
+    async def wait_connected(self) -> None:
+        """Return once a connection is welcomed (at once if one is).
+
+        Cancellation: safe.
+        """
+        if self._conn is not None:
+            await trio.lowlevel.checkpoint()
+            return
+        while self._conn is None:
+            await self._connected.wait()
+
+    # ------------------------------------------------------------ supervisor
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep a connection to the worker, forever (see the module docstring).
+
+        Reports started at once, before the first connection attempt.  Worker
+        failures of every kind are logged and end only the connection.
+
+        Raises:
+            trio.BusyResourceError: ``run`` is already running for this backend.
+
+        Cancellation: closes the connection and fails every request in flight
+        with ``WorkerDisconnected``; the backend then stays disconnected.
+        Resource handling: owns the connection's stream and tasks; nothing it
+        starts outlives it.
+        """
+        if self._running:
+            raise trio.BusyResourceError(f"{self!r} is already running")
+        self._running = True
+        task_status.started()
+        try:
+            await self._supervise()
+        finally:
+            self._running = False
+
+    async def _supervise(self) -> None:
+        settings = self.settings
+        backoff = settings.reconnect_backoff_start_s
+        while True:
+            outcome = await self._attempt()
+            if outcome is _Outcome.WELCOMED:
+                backoff = settings.reconnect_backoff_start_s
+            if outcome is _Outcome.REJECTED:
+                wait = settings.reconnect_backoff_max_s
+            else:
+                wait, backoff = backoff, min(backoff * 2, settings.reconnect_backoff_max_s)
+            await trio.sleep(wait * (1.0 - settings.reconnect_jitter * self._rng.random()))
+
+    async def _attempt(self) -> _Outcome:
+        """Dial, handshake and, once welcomed, serve the connection until it ends."""
+        stream = await self._dial()
+        if stream is None:
+            return _Outcome.FAILED
+        peer = f"{self.worker_id}@{self.address}"
+        framed = FramedStream(stream, max_frame_bytes=self.settings.max_frame_bytes, peer=peer)
+        try:
+            welcome = await self._handshake(framed)
+        except HandshakeRejected as exc:
+            self._rejections += 1
+            logger.error(
+                "worker %s at %s rejected our hello: %s", self.worker_id, self.address, exc
+            )
+            return _Outcome.REJECTED
+        except (WorkerDisconnected, ConnectionLost, RemoteProtocolError) as exc:
+            self._attempt_failed("handshake failed", exc)
+            return _Outcome.FAILED
+        else:
+            await self._serve_connection(framed, welcome)
+            return _Outcome.WELCOMED
+        finally:
+            with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+                await framed.aclose()
+
+    async def _dial(self) -> trio.abc.Stream | None:
+        with trio.move_on_after(self.settings.connect_timeout_s):
+            try:
+                return await self._connect()
+            except OSError as exc:
+                self._attempt_failed("cannot connect", exc)
+                return None
+        self._attempt_failed(
+            "cannot connect", f"no connection within {self.settings.connect_timeout_s} s"
+        )
+        return None
+
+    def _attempt_failed(self, what: str, detail: object) -> None:
+        """Count a failed attempt; only the first of a series is logged above debug."""
+        self._connect_failures += 1
+        self._failures_in_a_row += 1
+        level = logging.WARNING if self._failures_in_a_row == 1 else logging.DEBUG
+        logger.log(level, "worker %s at %s: %s: %s", self.worker_id, self.address, what, detail)
+
+    async def _handshake(self, framed: FramedStream) -> Welcome:
+        """Send ``Hello`` and return the ``Welcome``.
+
+        Raises:
+            HandshakeRejected: the worker refused (token, version).
+            WorkerDisconnected: no answer in time, or the worker hung up.
+            ConnectionLost, RemoteProtocolError: from the stream.
+        """
+        reply: Message | None = None
+        with trio.move_on_after(self.settings.handshake_timeout_s) as scope:
+            await framed.send(Hello(PROTOCOL_VERSION, self._auth_token, self.client_id))
+            reply = await framed.receive()
+        if scope.cancelled_caught:
+            raise WorkerDisconnected(f"no welcome within {self.settings.handshake_timeout_s} s")
+        if reply is None:
+            raise WorkerDisconnected("the worker closed the connection during the handshake")
+        if isinstance(reply, ErrorReply):
+            raise HandshakeRejected(f"{reply.code}: {reply.message}")
+        if not isinstance(reply, Welcome):
+            raise RemoteProtocolError(f"expected a welcome, got {reply.TAG!r}")
+        if reply.protocol_version != PROTOCOL_VERSION:
+            raise HandshakeRejected(f"the worker speaks protocol {reply.protocol_version}")
+        return reply
+
+    async def _serve_connection(self, framed: FramedStream, welcome: Welcome) -> None:
+        conn = _Connection(framed, welcome)
+        try:
+            with conn.scope:
+                async with trio.open_nursery() as nursery:
+                    conn.nursery = nursery
+                    self._connection_up(conn)
+                    name = self.worker_id
+                    nursery.start_soon(self._read_loop, conn, name=f"native-reader:{name}")
+                    nursery.start_soon(self._heartbeat_loop, conn, name=f"native-heartbeat:{name}")
+        except* RemoteProtocolError as group:
+            conn.reason = conn.reason or f"protocol error: {group.exceptions[0]}"
+            logger.error(
+                "worker %s at %s broke the protocol: %s; reconnecting",
+                self.worker_id,
+                self.address,
+                group.exceptions[0],
+            )
+        except* (ConnectionLost, WorkerDisconnected) as group:
+            conn.reason = conn.reason or str(group.exceptions[0])
+            level = logging.DEBUG if self._draining else logging.ERROR
+            logger.log(
+                level,
+                "connection to worker %s at %s lost: %s",
+                self.worker_id,
+                self.address,
+                group.exceptions[0],
+            )
+        finally:
+            self._connection_down(conn)
+
+    def _connection_up(self, conn: _Connection) -> None:
+        self._conn = conn
+        self.welcome = conn.welcome
+        self._draining = False
+        self._worker_stats = None
+        self._connects += 1
+        self._failures_in_a_row = 0
+        self._connected.set()
+        logger.info(
+            "connected to worker %s at %s (announced %s, role %s, model %s)",
+            self.worker_id,
+            self.address,
+            conn.welcome.worker_id,
+            conn.welcome.role,
+            conn.welcome.model,
+        )
+
+    def _connection_down(self, conn: _Connection) -> None:
+        reason = conn.reason or "connection closed"
+        if self._conn is conn:
+            self._conn = None
+            self._connected = trio.Event()
+        self._disconnects += 1
+        self._worker_stats = None
+        for pending in list(self._pending.values()):
+            if pending.connection is conn and not pending.settled.is_set():
+                pending.fail(
+                    WorkerDisconnected(
+                        f"connection to worker {self.worker_id} at {self.address} lost: {reason}"
+                    )
+                )
+                pending.settle()
+
+    # ------------------------------------------------------------ connection tasks
+
+    async def _read_loop(self, conn: _Connection) -> None:
+        """Decode and route replies until the connection ends (the only reader)."""
+        while conn.reason is None:
+            message = await conn.framed.receive()
+            if message is None:
+                level = logging.DEBUG if self._draining else logging.ERROR
+                logger.log(
+                    level, "worker %s at %s closed the connection", self.worker_id, self.address
+                )
+                conn.close("the worker closed the connection")
+                return
+            self._dispatch(conn, message)
+
+    def _dispatch(self, conn: _Connection, message: Message) -> None:
+        """Route one message (synchronous: the reader never waits on a consumer)."""
+        match message:
+            case Pong():
+                self._on_pong(conn, message)
+            case Goodbye():
+                if not self._draining:
+                    logger.info("worker %s said goodbye: %s", self.worker_id, message.reason)
+                self._draining = True
+            case ErrorReply(request_id=""):
+                logger.error(
+                    "worker %s at %s reported a connection error: %s: %s; reconnecting",
+                    self.worker_id,
+                    self.address,
+                    message.code,
+                    message.message,
+                )
+                conn.close(f"connection error {message.code}: {message.message}")
+            case StageResult() | Delta() | ErrorReply() | Released():
+                self._route(conn, message)
+            case Aborted():
+                self._on_aborted(conn, message)
+            case _:
+                raise RemoteProtocolError(f"a worker may not send {message.TAG!r} after welcome")
+
+    def _route(self, conn: _Connection, message: _Reply) -> None:
+        pending = self._pending.get(message.request_id)
+        if pending is None or pending.connection is not conn:
+            logger.debug(
+                "worker %s: ignoring %s for unknown request %r",
+                self.worker_id,
+                message.TAG,
+                message.request_id,
+            )
+            return
+        if not isinstance(message, pending.expects):
+            raise RemoteProtocolError(
+                f"{pending.stage} request {pending.request_id!r} answered with {message.TAG!r}"
+            )
+        if not pending.accepting:
+            logger.debug(
+                "worker %s: dropping %s for request %r (no longer read)",
+                self.worker_id,
+                message.TAG,
+                message.request_id,
+            )
+            return
+        try:
+            pending.send_channel.send_nowait(message)
+        except trio.WouldBlock:
+            self._overrun(conn, pending)
+            return
+        if not isinstance(message, Delta) or message.finish_reason is not None:
+            pending.settle()
+
+    def _overrun(self, conn: _Connection, pending: _Pending) -> None:
+        """Fail the one request whose reader fell behind, and abort it on the worker."""
+        self._overruns += 1
+        capacity = self.settings.request_buffer
+        logger.warning(
+            "request %r on worker %s fell %d replies behind; aborting it",
+            pending.request_id,
+            self.worker_id,
+            capacity,
+        )
+        pending.fail(
+            StreamOverrun(
+                f"request {pending.request_id!r} on worker {self.worker_id} "
+                f"fell {capacity} replies behind and was aborted"
+            )
+        )
+        pending.abort_sent = True
+        self._aborts_sent += 1
+        assert conn.nursery is not None  # set before the reader starts
+        conn.nursery.start_soon(
+            self._send_whole,
+            conn,
+            Abort(pending.request_id),
+            name=f"native-abort:{self.worker_id}:{pending.request_id}",
+        )
+
+    def _on_pong(self, conn: _Connection, pong: Pong) -> None:
+        now = trio.current_time()
+        conn.watchdog.deadline = now + self.settings.heartbeat_timeout_s
+        sent_at = conn.pings.pop(pong.nonce, None)
+        if sent_at is not None:
+            self._last_rtt_s = now - sent_at
+        for nonce in [n for n in conn.pings if n < pong.nonce]:
+            del conn.pings[nonce]
+        self._worker_stats = pong.stats
+
+    def _on_aborted(self, conn: _Connection, message: Aborted) -> None:
+        pending = self._pending.get(message.request_id)
+        if pending is None or pending.connection is not conn or not pending.abort_sent:
+            logger.debug(
+                "worker %s: ignoring aborted for request %r", self.worker_id, message.request_id
+            )
+            return
+        pending.settle()
+
+    async def _heartbeat_loop(self, conn: _Connection) -> None:
+        """Ping every interval; raise once no pong came for ``heartbeat_timeout_s``.
+
+        Raises:
+            WorkerDisconnected: the watchdog deadline (pushed by every pong) passed.
+        """
+        settings = self.settings
+        conn.watchdog.deadline = trio.current_time() + settings.heartbeat_timeout_s
+        with conn.watchdog:
+            while True:
+                conn.nonce += 1
+                conn.pings[conn.nonce] = trio.current_time()
+                await self._send_whole(conn, Ping(conn.nonce))
+                await trio.sleep(settings.heartbeat_interval_s)
+        raise WorkerDisconnected(f"no pong for {settings.heartbeat_timeout_s} s")
+
+    async def _send_whole(self, conn: _Connection, message: Message) -> None:
+        """Write one frame on ``conn``; a write interrupted part-way closes the connection.
+
+        Raises:
+            WorkerDisconnected: the connection is lost.
+            LocalProtocolError: the message cannot be encoded (nothing was written).
+        """
+        try:
+            await conn.framed.send(message)
+        except LocalProtocolError:
+            raise
+        except ConnectionLost as exc:
+            raise WorkerDisconnected(f"worker {self.worker_id}: {exc}") from exc
+        except BaseException:
+            # Cancelled: bytes already written cannot be taken back, and a
+            # partial frame would garble every request behind it.
+            conn.close(f"writing {message.TAG!r} was interrupted")
+            raise
+
+    # ------------------------------------------------------------ requests
+
+    async def run_stage(self, request: EncodeRequest | PrefillRequest) -> StageResult:
+        """Send an encode or prefill request and wait for its result.
+
+        Raises:
+            RemoteWorkerError: the worker answered with an error (or is draining).
+            WorkerDisconnected: not connected, or the connection was lost.
+            LocalProtocolError: ``request_id`` is already in flight here, or the
+                request cannot be encoded.
+
+        Cancellation: the worker is told to abort, and ``Aborted`` awaited,
+        shielded and bounded by ``abort_timeout_s``.
+        Backpressure: writing the request waits while the worker is not reading.
+        Resource handling: the request is unregistered on every path.
+        """
+        pending = await self._submit(request, _STAGE_REPLIES)
+        try:
+            reply = await pending.receive()
+        finally:
+            await self._settle(pending)
+        assert isinstance(reply, StageResult)  # the reader checked the reply kind
+        return reply
+
+    @asynccontextmanager
+    async def open_stream(self, request: GenerateRequest) -> AsyncIterator[NativeDeltaStream]:
+        """Send a generate request; the context yields its :class:`NativeDeltaStream`.
+
+        Raises:
+            RemoteWorkerError: the worker is draining (on entry).
+            WorkerDisconnected: not connected (on entry).
+            LocalProtocolError: ``request_id`` is already in flight here.
+
+        Cancellation: leaving the context before the terminal delta, for any
+        reason, aborts the request on the worker and awaits ``Aborted``,
+        shielded and bounded by ``abort_timeout_s``.
+        Backpressure: see :meth:`NativeDeltaStream.receive`.
+        Resource handling: the request is unregistered when the context exits.
+        """
+        pending = await self._submit(request, _STREAM_REPLIES)
+        try:
+            yield NativeDeltaStream(pending)
+        finally:
+            await self._settle(pending)
+
+    async def release(self, kv_transfer_params: dict[str, object]) -> bool:
+        """Free a prefilled KV handle on the worker; False if it was already gone.
+
+        Sent under an internal request id (``release:<n>``); allowed while the
+        worker drains.
+
+        Raises:
+            RemoteWorkerError: the worker answered with an error.
+            WorkerDisconnected: not connected, or the connection was lost.
+
+        Cancellation: safe; a late ``Released`` is ignored (there is nothing to abort).
+        Resource handling: the internal id is unregistered on every path.
+        """
+        self._serial += 1
+        while f"release:{self._serial}" in self._pending:
+            self._serial += 1
+        message = Release(f"release:{self._serial}", kv_transfer_params)
+        pending = await self._submit(message, _RELEASE_REPLIES)
+        try:
+            reply = await pending.receive()
+        finally:
+            await self._settle(pending)
+        assert isinstance(reply, Released)  # the reader checked the reply kind
+        return reply.found
+
+    async def _submit(self, message: _Outgoing, expects: tuple[type[_Reply], ...]) -> _Pending:
+        """Register ``message`` and write it; see ``run_stage`` for what it raises."""
+        conn = self._conn
+        if conn is None:
+            raise WorkerDisconnected(f"worker {self.worker_id} at {self.address} is not connected")
+        if self._draining and not isinstance(message, Release):
+            raise RemoteWorkerError(
+                ErrorCode.DRAINING,
+                "the worker said goodbye and takes no new requests",
+                retryable=True,
+                worker_id=self.worker_id,
+                stage=message.TAG,
+                request_id=message.request_id,
+            )
+        if message.request_id in self._pending:
+            raise LocalProtocolError(
+                f"request {message.request_id!r} is already in flight on worker {self.worker_id}"
+            )
+        pending = _Pending(
+            message,
+            conn,
+            worker_id=self.worker_id,
+            expects=expects,
+            capacity=self.settings.request_buffer,
+        )
+        self._pending[pending.request_id] = pending
+        try:
+            # Shielded: a frame is written whole, even for a caller cancelled
+            # meanwhile (it then aborts the request in its cleanup).
+            with trio.move_on_after(self.settings.write_timeout_s, shield=True) as scope:
+                await self._send_whole(conn, message)
+        except BaseException:
+            self._unregister(pending)
+            raise
+        if scope.cancelled_caught:
+            self._unregister(pending)
+            raise WorkerDisconnected(
+                f"writing {message.TAG} {message.request_id!r} to worker {self.worker_id} "
+                f"took over {self.settings.write_timeout_s} s"
+            )
+        pending.sent = True
+        return pending
+
+    async def _settle(self, pending: _Pending) -> None:
+        """Cleanup on every exit from a request: abort it if the worker may hold it, unregister.
+
+        Cancellation: shielded, and bounded by ``abort_timeout_s``.
+        """
+        pending.stop_accepting()
+        try:
+            with trio.move_on_after(self.settings.abort_timeout_s, shield=True) as scope:
+                await self._abort(pending)
+            if scope.cancelled_caught:
+                logger.warning(
+                    "worker %s did not confirm the abort of %r within %s s",
+                    self.worker_id,
+                    pending.request_id,
+                    self.settings.abort_timeout_s,
+                )
+        finally:
+            self._unregister(pending)
+
+    async def _abort(self, pending: _Pending) -> None:
+        if pending.settled.is_set() or not pending.sent or not pending.abortable:
+            return
+        if not pending.abort_sent:
+            pending.abort_sent = True
+            self._aborts_sent += 1
+            try:
+                await self._send_whole(pending.connection, Abort(pending.request_id))
+            except WorkerDisconnected as exc:
+                # The worker aborts every request of a lost connection itself.
+                logger.debug("abort of %r not sent: %s", pending.request_id, exc)
+                return
+        await pending.settled.wait()
+
+    def _unregister(self, pending: _Pending) -> None:
+        if self._pending.get(pending.request_id) is pending:
+            del self._pending[pending.request_id]
+        pending.stop_accepting()
+        pending.receive_channel.close()

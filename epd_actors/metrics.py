@@ -1,0 +1,196 @@
+"""Prometheus metrics of one router (its own registry, so routers can share a process).
+
+Counters and histograms are updated as things happen: the HTTP front end calls
+:meth:`RouterMetrics.observe_http`, the supervisor reports every finished
+request through :meth:`RouterMetrics.request_finished` (it is a
+``RequestObserver``).  Gauges that describe state (in-flight per pool and per
+worker, worker health, actor queues, restarts) are read from the router's
+statistics at scrape time by a custom collector, so they cost nothing between
+scrapes.
+
+Inter-token latency is observed once per request as its mean gap
+((total - TTFT) / (tokens - 1)); observing every token would put a histogram
+update on the streaming hot path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .lifecycle import Phase
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from .router import RouterStatistics
+    from .supervisor import RequestOutcome
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+_TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class RouterMetrics:
+    """The metrics of one router.
+
+    Args:
+        statistics: returns the router's current statistics (read at scrape).
+    """
+
+    def __init__(self, statistics: Callable[[], RouterStatistics] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.http_requests = Counter(
+            "epd_http_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.requests = Counter(
+            "epd_requests", "Generation requests by outcome", ["outcome"], registry=registry
+        )
+        self.ttft = Histogram(
+            "epd_time_to_first_token_seconds",
+            "Request received to first output token",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token = Histogram(
+            "epd_inter_token_latency_seconds",
+            "Mean gap between output tokens, per request",
+            buckets=_TOKEN_GAP_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "epd_request_duration_seconds",
+            "Request received to its last event",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.stage_duration = Histogram(
+            "epd_stage_duration_seconds",
+            "Wall time of one stage of a request",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "epd_queue_wait_seconds",
+            "Time a request's jobs waited for an actor and a worker",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.retries = Counter(
+            "epd_retries",
+            "Stage attempts retried on another worker",
+            ["stage"],
+            registry=registry,
+        )
+        self.aborts = Counter(
+            "epd_aborts_sent", "Aborts sent to workers", ["stage"], registry=registry
+        )
+        self.admission_refusals = Counter(
+            "epd_admission_refusals",
+            "Requests refused by admission control",
+            ["reason"],
+            registry=registry,
+        )
+        self.output_tokens = Counter(
+            "epd_output_tokens", "Output tokens streamed to clients", registry=registry
+        )
+        if statistics is not None:
+            self.watch(statistics)
+
+    def watch(self, statistics: Callable[[], RouterStatistics]) -> None:
+        """Export the state gauges read from ``statistics`` at every scrape."""
+        self.registry.register(_StateCollector(statistics))
+
+    def observe_http(self, route: str, status: int) -> None:
+        self.http_requests.labels(route, str(status)).inc()
+
+    def request_finished(self, outcome: RequestOutcome) -> None:
+        """Record a finished request (``RequestObserver``)."""
+        if outcome.phase == Phase.DONE:
+            label = "done"
+        elif outcome.phase == Phase.CANCELLED:
+            label = "cancelled"
+        else:
+            label = type(outcome.error).__name__ if outcome.error is not None else "failed"
+        self.requests.labels(label).inc()
+        timings = outcome.timings
+        self.e2e.observe(timings.total_s)
+        self.queue_wait.observe(timings.queue_wait_s)
+        for stage, seconds in timings.stages.items():
+            self.stage_duration.labels(stage).observe(seconds)
+        self.output_tokens.inc(outcome.completion_tokens)
+        if timings.ttft_s is not None:
+            self.ttft.observe(timings.ttft_s)
+            if outcome.completion_tokens > 1:
+                gap = (timings.total_s - timings.ttft_s) / (outcome.completion_tokens - 1)
+                self.inter_token.observe(gap)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return bytes(generate_latest(self.registry))
+
+
+class _StateCollector(Collector):
+    """Reads pool, worker and actor state from the router at scrape time."""
+
+    def __init__(self, statistics: Callable[[], RouterStatistics]) -> None:
+        self._statistics = statistics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._statistics()
+        pool_in_flight = GaugeMetricFamily(
+            "epd_pool_in_flight", "Jobs in flight per pool", labels=["stage"]
+        )
+        pool_usable = GaugeMetricFamily(
+            "epd_pool_usable_workers", "Workers able to take work, per pool", labels=["stage"]
+        )
+        worker_in_flight = GaugeMetricFamily(
+            "epd_worker_in_flight", "Jobs in flight per worker", labels=["stage", "worker"]
+        )
+        worker_up = GaugeMetricFamily(
+            "epd_worker_healthy", "1 when the worker can take work", labels=["stage", "worker"]
+        )
+        for stage, members in stats.pools.items():
+            pool_in_flight.add_metric([stage], sum(m.in_flight for m in members))
+            pool_usable.add_metric([stage], sum(m.usable for m in members))
+            for member in members:
+                worker_in_flight.add_metric([stage, member.worker_id], member.in_flight)
+                worker_up.add_metric([stage, member.worker_id], 1.0 if member.usable else 0.0)
+        supervisor = stats.supervisor
+        in_flight = GaugeMetricFamily("epd_requests_in_flight", "Requests being served")
+        in_flight.add_metric([], supervisor.requests_in_flight)
+        restarts = GaugeMetricFamily(
+            "epd_actor_restarts", "Times each stage actor was restarted", labels=["stage"]
+        )
+        for stage, count in supervisor.actor_restarts.items():
+            restarts.add_metric([stage], count)
+        yield from (pool_in_flight, pool_usable, worker_in_flight, worker_up, in_flight, restarts)
