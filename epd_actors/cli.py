@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from .check_config import add_check_config_arguments, run_check_config
 from .worker.cli import add_worker_arguments, run_worker
 
 
@@ -23,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     worker = commands.add_parser("worker", help="run one native worker process")
     add_worker_arguments(worker)
+    check = commands.add_parser("check-config", help="validate a configuration file")
+    add_check_config_arguments(check)
     from .local import add_local_arguments
 
     local = commands.add_parser("local", help="the default: a local simulated deployment")
@@ -42,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "worker":
         return run_worker(args)
+    if args.command == "check-config":
+        return run_check_config(args)
     from .local import run_local
 
     return run_local(args)

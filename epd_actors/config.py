@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from .addresses import parse_address
 from .errors import ConfigError
 from .limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS
+from .retry import RetryPolicy
 from .routing import POLICY_NAMES
 
 BACKEND_KINDS = ("native",)
@@ -107,6 +108,8 @@ class RouterConfig:
         model: the model name the router serves.
         deadlines: request deadlines.
         actors: actor bounds.
+        retries: when failed E, P (and not yet streaming D/PD) attempts move to
+            another worker.
     """
 
     pools: tuple[PoolConfig, ...]
@@ -114,6 +117,7 @@ class RouterConfig:
     model: str = "sim-model"
     deadlines: Deadlines = field(default_factory=Deadlines)
     actors: ActorLimits = field(default_factory=ActorLimits)
+    retries: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
         validate(self)

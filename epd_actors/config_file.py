@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .config import ActorLimits, Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
 from .errors import ConfigError
+from .retry import RetryPolicy
 
 MIB = 1024 * 1024
 
@@ -205,11 +206,17 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     server = _server(top.table("server"), env)
     deadlines = _deadlines(top.table("deadlines"))
     actors = _actors(top.table("actors"))
+    retries = _retries(top.table("retries"))
     pools_table = top.table("pools")
     pools = tuple(_pool(stage, table) for stage, table in pools_table.remaining_tables())
     top.done()
     router = RouterConfig(
-        pools, auth_token=auth_token, model=model, deadlines=deadlines, actors=actors
+        pools,
+        auth_token=auth_token,
+        model=model,
+        deadlines=deadlines,
+        actors=actors,
+        retries=retries,
     )
     return FileConfig(router, server)
 
@@ -293,6 +300,18 @@ def _actors(table: _Table) -> ActorLimits:
         restart_backoff_max_s=table.number(
             "restart_backoff_max_s", a.restart_backoff_max_s, minimum=0.001
         ),
+    )
+    table.done()
+    return config
+
+
+def _retries(table: _Table) -> RetryPolicy:
+    r = RetryPolicy()
+    config = RetryPolicy(
+        max_attempts=table.integer("max_attempts", r.max_attempts, minimum=1),
+        backoff_start_s=table.number("backoff_start_s", r.backoff_start_s),
+        backoff_max_s=table.number("backoff_max_s", r.backoff_max_s),
+        jitter=table.number("jitter", r.jitter),
     )
     table.done()
     return config

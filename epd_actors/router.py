@@ -184,7 +184,11 @@ async def open_router(
     }
     metrics = RouterMetrics()
     supervisor = Supervisor(
-        pools, deadlines=config.deadlines, limits=config.actors, observer=metrics
+        pools,
+        deadlines=config.deadlines,
+        limits=config.actors,
+        observer=metrics,
+        retry=config.retries,
     )
     async with trio.open_nursery() as nursery:
         router = Router(config, supervisor, pools, nursery, factory, metrics)

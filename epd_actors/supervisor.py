@@ -61,10 +61,12 @@ from .request import (
 )
 
 if TYPE_CHECKING:
+    import random
     from collections.abc import AsyncIterator
 
     from .actors.jobs import Compensation, StageEvent
     from .pool import WorkerPool
+    from .retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +140,8 @@ class Supervisor:
         limits: actor bounds and restart backoff.
         registry: stage name -> actor class (defaults to the built-in registry).
         observer: told about every finished request (metrics).
+        retry: the actors' retry policy.
+        rng: randomness for retry jitter (tests pass a seeded one).
     """
 
     def __init__(
@@ -148,6 +152,8 @@ class Supervisor:
         limits: ActorLimits | None = None,
         registry: dict[str, type[BaseActor]] | None = None,
         observer: RequestObserver | None = None,
+        retry: RetryPolicy | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.observer = observer
         self.deadlines = deadlines or Deadlines()
@@ -158,6 +164,8 @@ class Supervisor:
                 pool,
                 inbox_capacity=self.limits.inbox_capacity,
                 max_jobs=self.limits.max_jobs,
+                retry=retry,
+                rng=rng,
             )
             for stage, pool in pools.items()
         }

@@ -18,6 +18,7 @@ from epd_actors.errors import (
     NoHealthyWorker,
     RemoteWorkerError,
     StageTimeout,
+    WorkerDisconnected,
 )
 from epd_actors.lifecycle import Phase
 from epd_actors.protocol import ChatMessage, MediaItem, Prompt, SamplingParams
@@ -29,6 +30,7 @@ from epd_actors.request import (
     GenerationRequest,
     UsageEvent,
 )
+from epd_actors.retry import RetryPolicy
 from epd_actors.supervisor import Supervisor
 from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
 
@@ -265,9 +267,7 @@ async def test_cancel_between_prefill_and_decode_releases_the_kv_handle(
 ) -> None:
     fleet = build_sim_fleet(EPD, config=TIMED)
     # Decode is slow to start: cancel while it waits for its first token.
-    fleet.engines["decode-0"].config = sim_config(
-        **{**_timed_knobs(), "stall_s": 1.0}
-    )
+    fleet.engines["decode-0"].config = sim_config(**{**_timed_knobs(), "stall_s": 1.0})
     supervisor = await cancel_after(fleet, chat(image("x")), 0.030)
     assert fleet.total("kv_handles_created") == 1
     assert fleet.total("releases_found") + fleet.total("kv_handles_aborted") <= 1
@@ -344,8 +344,11 @@ async def test_token_timeouts(
 @pytest.mark.parametrize("stage", ["encode", "prefill", "decode"])
 async def test_worker_error_in_each_stage_is_typed(stage: str) -> None:
     fleet = build_sim_fleet(EPD)
-    knob = {"encode": "encode_error_rate", "prefill": "prefill_error_rate",
-            "decode": "generate_error_rate"}[stage]
+    knob = {
+        "encode": "encode_error_rate",
+        "prefill": "prefill_error_rate",
+        "decode": "generate_error_rate",
+    }[stage]
     fleet.engines[f"{stage}-0"].config = sim_config(**{knob: 1.0})
     _, events = await run_one(fleet, chat(image("x")))
     failed = final(events)
@@ -459,3 +462,80 @@ async def test_a_crashed_actor_fails_its_jobs_and_is_restarted(autojump_clock: o
         nursery.cancel_scope.cancel()
     assert supervisor.statistics().actor_restarts == {"prefill": 0, "decode": 1}
     assert_no_leaks(fleet)
+
+
+# ---------------------------------------------------------------- retries
+
+
+@pytest.mark.parametrize(
+    ("stage", "knob"),
+    [
+        ("encode", "encode_error_rate"),
+        ("prefill", "prefill_error_rate"),
+        ("decode", "generate_error_rate"),
+    ],
+)
+async def test_a_failing_worker_is_retried_on_another(stage: str, knob: str) -> None:
+    fleet = build_sim_fleet({"encode": 2, "prefill": 2, "decode": 2})
+    fleet.engines[f"{stage}-0"].config = sim_config(**{knob: 1.0})
+    supervisor, events = await run_one(fleet, chat(image("x")))
+    done = final(events)
+    assert isinstance(done, DoneEvent)
+    assert done.timings.workers[stage] == (f"{stage}-1",)
+    requests = "generate_requests" if stage == "decode" else f"{stage}_requests"
+    assert fleet.engines[f"{stage}-0"].statistics().errors_injected == 1
+    assert fleet.engines[f"{stage}-1"].statistics().__getattribute__(requests) == 1
+    assert supervisor.actors[stage].statistics().retries_total == 1
+    assert_no_leaks(fleet)
+
+
+async def test_output_stage_is_not_retried_after_its_first_token() -> None:
+    fleet = build_sim_fleet({"prefill": 1, "decode": 2})
+    fleet.engines["decode-0"].config = sim_config(
+        crash_after_tokens=3, output_token_s=0.0, tokens_per_delta=1
+    )
+    supervisor, events = await run_one(fleet, text(max_tokens=8))
+    failed = final(events)
+    assert isinstance(failed, ErrorEvent)
+    assert isinstance(failed.error, WorkerDisconnected)
+    assert output_text(events)
+    assert fleet.engines["decode-1"].statistics().generate_requests == 0
+    assert supervisor.actors["decode"].statistics().retries_total == 0
+    assert_no_leaks(fleet)
+
+
+async def test_client_class_errors_are_never_retried() -> None:
+    # P+D without encoders: the strict simulator refuses the image (not retryable).
+    fleet = build_sim_fleet({"prefill": 2, "decode": 1})
+    supervisor, events = await run_one(fleet, chat(image("x")))
+    failed = final(events)
+    assert isinstance(failed, ErrorEvent)
+    assert isinstance(failed.error, RemoteWorkerError)
+    assert failed.error.code == "missing_encoder_cache"
+    assert fleet.total("prefill_requests") == 1
+    assert supervisor.actors["prefill"].statistics().retries_total == 0
+
+
+async def test_attempts_are_bounded(autojump_clock: object) -> None:
+    fleet = build_sim_fleet({"prefill": 4, "decode": 1})
+    for n in range(4):
+        fleet.engines[f"prefill-{n}"].config = sim_config(prefill_error_rate=1.0)
+    supervisor, events = await run_one(
+        fleet, text(), retry=RetryPolicy(max_attempts=3, backoff_start_s=0.1, jitter=0.0)
+    )
+    failed = final(events)
+    assert isinstance(failed, ErrorEvent)
+    assert isinstance(failed.error, RemoteWorkerError)
+    assert fleet.total("prefill_requests") == 3
+    assert supervisor.actors["prefill"].statistics().retries_total == 2
+
+
+async def test_when_every_worker_failed_the_last_error_is_reported() -> None:
+    fleet = build_sim_fleet({"prefill": 2, "decode": 1})
+    for n in range(2):
+        fleet.engines[f"prefill-{n}"].config = sim_config(prefill_error_rate=1.0)
+    _, events = await run_one(fleet, text(), retry=RetryPolicy(max_attempts=5, jitter=0.0))
+    failed = final(events)
+    assert isinstance(failed, ErrorEvent)
+    assert isinstance(failed.error, RemoteWorkerError)
+    assert fleet.total("prefill_requests") == 2

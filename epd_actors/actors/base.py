@@ -29,14 +29,16 @@ the inbox, the nursery or the limiter.
 from __future__ import annotations
 
 import logging
+import random
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import trio
 
-from ..errors import EpdError
+from ..errors import EpdError, NoHealthyWorker
 from ..limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, JOB_REPLY_BUFFER
+from ..retry import RetryPolicy
 from ..routing import RouteKey, affinity_for_prompt
 from .jobs import Job, StageContext, StageEvent, StageFailure
 
@@ -62,6 +64,7 @@ class ActorStatistics:
     running: int
     jobs_total: int
     failures_total: int
+    retries_total: int
     capacity: int
 
 
@@ -79,6 +82,8 @@ class BaseActor:
         pool: the workers of this stage.
         inbox_capacity: jobs that may wait in the inbox.
         max_jobs: jobs that may run at once.
+        retry: when a failed attempt moves to another worker.
+        rng: randomness for retry jitter (tests pass a seeded one).
     """
 
     stage: ClassVar[str]
@@ -93,8 +98,13 @@ class BaseActor:
         *,
         inbox_capacity: int = ACTOR_INBOX_CAPACITY,
         max_jobs: int = ACTOR_MAX_JOBS,
+        retry: RetryPolicy | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.pool = pool
+        self.retry = retry or RetryPolicy()
+        self._rng = rng or random.Random()
+        self.retries_total = 0
         self._inbox_send, self._inbox_receive = trio.open_memory_channel[Job](inbox_capacity)
         self._limiter = trio.CapacityLimiter(max_jobs)
         self.jobs_total = 0
@@ -149,6 +159,7 @@ class BaseActor:
                 except trio.EndOfChannel:
                     return
                 await job.reply.send(delta)
+                job.output_started = True
 
     # -- the actor machinery
 
@@ -161,6 +172,7 @@ class BaseActor:
             running=self._limiter.borrowed_tokens,
             jobs_total=self.jobs_total,
             failures_total=self.failures_total,
+            retries_total=self.retries_total,
             capacity=int(self._limiter.total_tokens),
         )
 
@@ -228,18 +240,55 @@ class BaseActor:
         self.jobs_total += 1
         job.started_at = trio.current_time()
         try:
-            lease = await self.pool.lease(self.route_key(job))
-            job.worker_id = lease.member.worker_id
-            try:
-                await self.handle(job, lease.backend)
-            finally:
-                lease.release()
+            await self._attempt_with_retries(job)
         except EpdError as exc:
             self.failures_total += 1
             logger.info("%s job of %s failed: %s", self.stage, job.request_id, exc)
             await self._report(job, StageFailure(exc))
         except trio.BrokenResourceError:
             logger.debug("%s job of %s: requester left", self.stage, job.request_id)
+
+    async def _attempt_with_retries(self, job: Job) -> None:
+        """Run the job, moving to another worker after a retryable failure.
+
+        Raises:
+            EpdError: the last attempt's error (or ``NoHealthyWorker`` when no
+                worker could be leased at all).
+        """
+        key = self.route_key(job)
+        tried: list[str] = []
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                lease = await self.pool.lease(key, exclude=tried)
+            except NoHealthyWorker:
+                if job.last_error is not None:
+                    raise job.last_error from None
+                raise
+            job.worker_id = lease.member.worker_id
+            try:
+                await self.handle(job, lease.backend)
+                return
+            except EpdError as exc:
+                retry = self.retry.should_retry(
+                    exc, attempt=attempt, output_started=job.output_started
+                )
+                if not retry:
+                    raise
+                job.last_error = exc
+            finally:
+                lease.release()
+            tried.append(lease.member.worker_id)
+            self.retries_total += 1
+            logger.info(
+                "%s job of %s: retrying after %s (attempt %d)",
+                self.stage,
+                job.request_id,
+                job.last_error,
+                attempt,
+            )
+            await trio.sleep(self.retry.backoff_s(attempt, self._rng))
 
     async def _report(self, job: Job, failure: StageFailure) -> None:
         try:

@@ -85,6 +85,9 @@ class Job:
         enqueued_at / started_at / finished_at: router clock readings.
         worker_id: the worker the job ran on, once chosen.
         scope: cancelled by the requester when it no longer wants the job.
+        output_started: set once an output token reached the requester (an
+            output stage is never retried after that).
+        last_error: the error of the previous attempt, when retrying.
         compensations: what undoes the job's leftovers (a prefilled KV handle)
             should the request not complete.  Whoever holds them runs them: the
             job's own task, unless the requester took them over together with
@@ -101,6 +104,8 @@ class Job:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     compensations: list[Compensation] = field(default_factory=list)
     handed_over: bool = False
+    output_started: bool = False
+    last_error: EpdError | None = None
 
     @property
     def request_id(self) -> str:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from .._groups import single_exception
-from ..errors import EngineError, RemoteWorkerError, WorkerDisconnected
+from ..errors import EngineCrashed, EngineError, RemoteWorkerError, WorkerDisconnected
 from ..limits import CLEANUP_TIMEOUT_S, WORKER_DELTA_BUFFER
 from ..protocol import Delta, EncodeRequest, PrefillRequest
 from .base import BackendStatus
@@ -96,6 +96,10 @@ class InProcessBackend:
         self.connected = False
         self._connected_event = trio.Event()
 
+    def _crashed(self) -> None:
+        logger.warning("in-process worker %s crashed", self.worker_id)
+        self.disconnect()
+
     def reconnect(self) -> None:
         self.connected = True
         self._connected_event.set()
@@ -142,6 +146,9 @@ class InProcessBackend:
         except EngineError as exc:
             finished = True
             raise self._remote(exc, request.request_id) from None
+        except EngineCrashed:
+            self._crashed()
+            raise WorkerDisconnected(f"worker {self.worker_id} crashed") from None
         finally:
             self.in_flight -= 1
             if not finished:
@@ -180,6 +187,8 @@ class InProcessBackend:
                 await self.engine.generate(request, send.send)
             except EngineError as exc:
                 stream.error = exc
+            except EngineCrashed:
+                self._crashed()
             except trio.BrokenResourceError:
                 logger.debug("stream %s closed by its reader", request.request_id)
 

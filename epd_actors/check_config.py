@@ -1,0 +1,75 @@
+"""``python -m epd_actors check-config FILE``: validate a configuration and explain it."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from .actors import STAGE_ACTORS
+from .config_file import FileConfig, load_config
+from .errors import ConfigError
+from .pool import WorkerPool
+from .routing import make_policy
+from .supervisor import Supervisor
+
+if TYPE_CHECKING:
+    import argparse
+
+
+def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="the TOML configuration to validate")
+
+
+def describe(config: FileConfig) -> str:
+    """A human-readable summary of a valid configuration."""
+    router, server = config.router, config.server
+    stages = sorted((p.stage for p in router.pools), key=lambda s: STAGE_ACTORS[s].order)
+    lines = [
+        f"model:      {router.model}",
+        f"topology:   {' -> '.join(stages)}",
+        f"http:       {server.http_listen}"
+        + (f"   websocket: {server.ws_listen}" if server.ws_listen else ""),
+        f"api keys:   {len(server.api_keys) or 'none (open)'}"
+        f"   admin routes: {'on' if server.admin_key else 'off'}",
+        f"worker auth token: {'set' if router.auth_token else 'NOT SET'}",
+        "deadlines:  "
+        + ", ".join(
+            f"{name}={getattr(router.deadlines, name):g}s"
+            for name in (
+                "request_timeout_s",
+                "first_token_timeout_s",
+                "inter_token_timeout_s",
+                "cleanup_timeout_s",
+            )
+        ),
+    ]
+    for pool in router.pools:
+        lines.append(
+            f"pool {pool.stage}: policy={pool.policy_name} "
+            f"max_in_flight_per_worker={pool.max_in_flight_per_worker}"
+        )
+        lines += [f"  - {w.worker_id} {w.backend} {w.address}" for w in pool.workers]
+    return "\n".join(lines)
+
+
+def check_topology(config: FileConfig) -> None:
+    """Build (without starting) the supervisor, so topology errors surface here too."""
+    pools = {
+        p.stage: WorkerPool(
+            p.stage, make_policy(p.policy_name), max_in_flight_per_worker=p.max_in_flight_per_worker
+        )
+        for p in config.router.pools
+    }
+    Supervisor(pools)
+
+
+def run_check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+        check_topology(config)
+    except ConfigError as exc:
+        print(f"{args.file}: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.file}: OK")
+    print(describe(config))
+    return 0

@@ -1,0 +1,113 @@
+"""The TOML configuration: every error names its key; the example file is valid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from epd_actors.check_config import describe
+from epd_actors.cli import main
+from epd_actors.config_file import load_config, parse_config
+from epd_actors.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "epd.toml"
+ENV = {"EPD_AUTH_TOKEN": "tok", "EPD_API_KEYS": "k1, k2", "EPD_ADMIN_KEY": "adm"}
+
+MINIMAL = """
+[pools.pd]
+workers = [{ id = "pd0", address = "tcp://127.0.0.1:9000" }]
+"""
+
+
+def test_example_file_is_valid_and_complete() -> None:
+    config = load_config(EXAMPLE, environ=ENV)
+    router, server = config.router, config.server
+    assert [p.stage for p in router.pools] == ["encode", "prefill", "decode"]
+    assert router.auth_token == "tok"
+    assert server.api_keys == ("k1", "k2")
+    assert server.admin_key == "adm"
+    assert server.ws_listen == "127.0.0.1:8001"
+    assert router.pool("encode") is not None
+    text = describe(config)
+    assert "encode -> prefill -> decode" in text
+    assert "consistent_hash" in text
+
+
+def test_defaults_of_a_minimal_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(MINIMAL)
+    config = load_config(path, environ={})
+    assert config.router.auth_token == ""
+    assert config.router.pools[0].policy_name == "least_in_flight"
+    assert config.server.http_listen == "127.0.0.1:8000"
+    assert config.server.api_keys == ()
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ("[server]\nidel_timeout_s = 3\n", "server.idel_timeout_s"),
+        ("[server]\nidle_timeout_s = -1\n", "server.idle_timeout_s"),
+        ("[server]\nmax_body_bytes = 'big'\n", "server.max_body_bytes"),
+        ("[server]\naccess_log = 1\n", "server.access_log"),
+        ("[server]\nhttp_listen = 'nowhere'\n", "server.http_listen"),
+        (
+            "[server.media]\nallowed_url_prefixes = ['ftp://x/']\n",
+            "server.media.allowed_url_prefixes",
+        ),
+        ("[deadlines]\nrequest_timeout_s = 0\n", "deadlines.request_timeout_s"),
+        ("[actors]\nmax_jobs = 0\n", "actors.max_jobs"),
+        ("[pools.pd]\npolicy = 'fastest'\n", "pools.pd.policy"),
+        (
+            "[pools.pd]\nworkers = [{ id = 'x', address = 'http://a' }]\n",
+            "pools.pd.workers[0].address",
+        ),
+        ("[pools.pd]\nworkers = [{ id = 'x' }]\n", "pools.pd.workers[0].address"),
+        (
+            "[pools.pd]\nworkers = [{ id = 'x', address = 'tcp://h:1', backend = 'grpc' }]\n",
+            "pools.pd.workers[0].backend",
+        ),
+        ("auth_token_env = 'MISSING_VARIABLE'\n", "auth_token_env"),
+        ("auth_token = 'a'\nauth_token_env = 'B'\n", "auth_token"),
+        ("colour = 'blue'\n", "colour"),
+    ],
+    ids=lambda value: value if "." in value or value.isidentifier() else None,
+)
+def test_errors_name_the_offending_key(extra: str, key: str) -> None:
+    import tomllib
+
+    if extra.startswith("[pools.pd]"):
+        text = extra
+    else:
+        text = MINIMAL + extra if extra.startswith("[") else extra + MINIMAL
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        parse_config(tomllib.loads(text), environ={})
+
+
+def test_duplicate_worker_ids_are_refused() -> None:
+    import tomllib
+
+    text = """
+[pools.prefill]
+workers = [{ id = "w", address = "tcp://127.0.0.1:1" }]
+[pools.decode]
+workers = [{ id = "w", address = "tcp://127.0.0.1:2" }]
+"""
+    with pytest.raises(ConfigError, match=r"pools.decode.workers\[0\].id"):
+        parse_config(tomllib.loads(text), environ={})
+
+
+def test_check_config_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text(MINIMAL)
+    assert main(["check-config", str(good)]) == 0
+    assert "topology:   pd" in capsys.readouterr().out
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pools.prefill]\nworkers = []\n")
+    assert main(["check-config", str(bad)]) == 2
+    assert "pools" in capsys.readouterr().err
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[pools\n")
+    assert main(["check-config", str(broken)]) == 2
+    assert "invalid TOML" in capsys.readouterr().err
