@@ -405,7 +405,9 @@ async def resolve_media(
     return parsed.with_media(tuple(items))
 
 
-async def _load(pending: PendingMedia, limits: MediaLimits, fetcher: MediaFetcher | None) -> MediaItem:
+async def _load(
+    pending: PendingMedia, limits: MediaLimits, fetcher: MediaFetcher | None
+) -> MediaItem:
     if pending.local:
         return await _read_local(pending, limits)
     if fetcher is None:

@@ -100,7 +100,7 @@ MAX_TOP_LOGPROBS: Final = 20
 MAX_KEY_CHARS: Final = 256
 """Characters of ``model`` and of the session key."""
 
-_ROLES: Final[dict[object, str]] = {
+_ROLES: Final[dict[str, str]] = {
     "system": "system",
     "developer": "system",
     "user": "user",
@@ -344,7 +344,9 @@ def _stream_options(value: object, *, stream: bool) -> bool:
     if value is None:
         return False
     if not stream:
-        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        raise InvalidRequest(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
     options = _object(value, "stream_options")
     return _optional(options, "include_usage", _boolean, prefix="stream_options.") or False
 
@@ -354,7 +356,9 @@ def _refuse_structured_output(value: object) -> None:
         return
     kind = value.get("type") if isinstance(value, dict) else None
     if kind != "text":
-        raise InvalidRequest("only response_format type 'text' is supported", param="response_format")
+        raise InvalidRequest(
+            "only response_format type 'text' is supported", param="response_format"
+        )
 
 
 def _refuse_unsupported(fields: dict[str, object], names: Sequence[str]) -> None:
@@ -374,13 +378,15 @@ def _messages(
     if len(value) > MAX_MESSAGES:
         raise InvalidRequest(f"at most {MAX_MESSAGES} messages are allowed", param="messages")
     return tuple(
-        _message(message, f"messages[{index}]", media, budget) for index, message in enumerate(value)
+        _message(message, f"messages[{index}]", media, budget)
+        for index, message in enumerate(value)
     )
 
 
 def _message(value: object, param: str, media: list[MediaSlot], budget: MediaBudget) -> ChatMessage:
     message = _object(value, param)
-    role = _ROLES.get(message.get("role"))
+    raw_role = message.get("role")
+    role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
     if role is None:
         raise InvalidRequest(
             "role must be one of system, developer, user, assistant, tool", param=f"{param}.role"
@@ -391,7 +397,9 @@ def _message(value: object, param: str, media: list[MediaSlot], budget: MediaBud
     if isinstance(content, str):
         return ChatMessage(role, (content,))
     if not isinstance(content, list):
-        raise InvalidRequest("content must be a string or an array of parts", param=f"{param}.content")
+        raise InvalidRequest(
+            "content must be a string or an array of parts", param=f"{param}.content"
+        )
     parts = [
         _part(part, f"{param}.content[{index}]", role, media, budget)
         for index, part in enumerate(content)
@@ -403,13 +411,16 @@ def _part(
     value: object, param: str, role: str, media: list[MediaSlot], budget: MediaBudget
 ) -> str | int:
     part = _object(value, param)
-    kind = part.get("type")
+    raw_kind = part.get("type")
+    kind = raw_kind if isinstance(raw_kind, str) else ""
     if kind == "text":
         return _required(part, "text", _string(None), prefix=f"{param}.")
     if kind in _MEDIA_PARTS or kind == "input_audio":
         if role != "user":
-            raise InvalidRequest(f"{kind} parts are only allowed in user messages", param=f"{param}.type")
-        media.append(_media_part(part, str(kind), f"{param}.{kind}", budget))
+            raise InvalidRequest(
+                f"{kind} parts are only allowed in user messages", param=f"{param}.type"
+            )
+        media.append(_media_part(part, kind, f"{param}.{kind}", budget))
         return len(media) - 1
     raise InvalidRequest(
         "part type must be text, image_url, audio_url, video_url or input_audio",
@@ -423,9 +434,10 @@ def _media_part(part: dict[str, object], kind: str, param: str, budget: MediaBud
         budget.take_item(param)
         data = _required(body, "data", _string(None), prefix=f"{param}.")
         fmt = body.get("format")
-        if fmt not in _AUDIO_FORMATS:
+        mime = _AUDIO_FORMATS.get(fmt) if isinstance(fmt, str) else None
+        if mime is None:
             raise InvalidRequest("format must be 'wav' or 'mp3'", param=f"{param}.format")
-        return decode_base64(data, _AUDIO_FORMATS[str(fmt)], budget=budget, param=f"{param}.data")
+        return decode_base64(data, mime, budget=budget, param=f"{param}.data")
     url = body.get("url")
     if not isinstance(url, str) or not url:
         raise InvalidRequest("url must be a non-empty string", param=f"{param}.url")
@@ -440,7 +452,9 @@ def _completion_prompt(value: object) -> Prompt:
         return Prompt(text=value)
     if not isinstance(value, list) or not value:
         raise InvalidRequest("prompt must be a string or an array of token ids", param="prompt")
-    if all(isinstance(item, str) for item in value) or all(isinstance(item, list) for item in value):
+    if all(isinstance(item, str) for item in value) or all(
+        isinstance(item, list) for item in value
+    ):
         if len(value) > 1:
             raise InvalidRequest(
                 "batched prompts are not supported: send one request per prompt", param="prompt"
@@ -466,9 +480,7 @@ def _completion_prompt_ids(value: list[object]) -> Prompt:
 
 def _object(value: object, param: str | None = None) -> dict[str, object]:
     if not isinstance(value, dict):
-        raise InvalidRequest(
-            f"{param or 'the request body'} must be a JSON object", param=param
-        )
+        raise InvalidRequest(f"{param or 'the request body'} must be a JSON object", param=param)
     return value
 
 

@@ -1,0 +1,158 @@
+"""What the HTTP front end serves and how it is bounded: settings and the app protocol.
+
+:class:`HttpApp` is all the server needs from a router -- ``generate`` plus the
+models, health, metrics and admin hooks -- so tests drive the server with
+fakes; :class:`RouterHttpApp` adapts a running
+:class:`~epd_actors.router.Router`.  :class:`HttpSettings` holds every limit
+and timeout of the front end, with units; docs/http.md has the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, Protocol
+
+from .media import MediaLimits
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+    from contextlib import AbstractAsyncContextManager
+
+    import trio
+
+    from ..request import GenerationEvent, GenerationRequest
+    from ..router import Router
+
+    AdminHook = Callable[[str, str, object], Awaitable[tuple[int, object]]]
+    """``await admin(method, path, json_body)`` -> ``(status, json_body)``."""
+
+KIB: Final = 1024
+MIB: Final = 1024 * KIB
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSettings:
+    """Limits, timeouts and keys of the HTTP front end (docs/http.md has the table).
+
+    Attributes:
+        api_keys: accepted ``Authorization: Bearer`` keys for ``/v1/*``; empty = open.
+        admin_keys: keys for ``/admin/*``; empty = admin routes disabled (404).
+        max_body_bytes: largest request body (413 above, before reading it).
+        max_header_bytes: largest request head (431 above).
+        keep_alive_timeout_s: idle time allowed between requests, and for a
+            request head to arrive (seconds).
+        body_timeout_s: time to receive one request body (408 after; seconds).
+        write_timeout_s: time one write to the client may take (seconds);
+            a slower client is dropped and its request cancelled.
+        linger_s: after the last response on a connection, how long to wait
+            for the client's EOF before closing (so a client still sending,
+            e.g. after a 413, reads the answer instead of a reset; seconds).
+        max_connections: concurrent connections; more get a canned 503.
+        receive_bytes: bytes asked of the socket per read.
+        max_pipelined_bytes: bytes of the client's next requests buffered while
+            a response streams; beyond it, the server stops reading until the
+            response is done.
+        access_log: log one INFO line per request.
+        media: media limits and the URL/path allow-list.
+    """
+
+    api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 48 * MIB
+    max_header_bytes: int = 16 * KIB
+    keep_alive_timeout_s: float = 5.0
+    body_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
+    linger_s: float = 1.0
+    max_connections: int = 1024
+    receive_bytes: int = 64 * KIB
+    max_pipelined_bytes: int = 64 * KIB
+    access_log: bool = False
+    media: MediaLimits = field(default_factory=MediaLimits)
+
+
+class HttpApp(Protocol):
+    """What the HTTP front end needs from a router (tests pass fakes).
+
+    Attributes:
+        admin: ``await admin(method, path, json_body)`` -> ``(status, json)`` for
+            ``/admin/*``; None disables the admin routes (404).
+    """
+
+    admin: AdminHook | None
+
+    def generate(
+        self, request: GenerationRequest
+    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
+        """Run a request; the block yields its events (last: Done or Error)."""
+        ...
+
+    def models(self) -> list[str]:
+        """The model names served (``/v1/models``; requests must name one)."""
+        ...
+
+    def health(self) -> tuple[int, dict[str, object]]:
+        """``(status, body)`` of ``/health``."""
+        ...
+
+    def metrics(self) -> str | bytes:
+        """The Prometheus text exposition (``/metrics``)."""
+        ...
+
+    def observe_http(self, route: str, status: int) -> None:
+        """Count one answered request (``route`` is a known path or ``other``)."""
+        ...
+
+
+class RouterHttpApp:
+    """:class:`HttpApp` over a running :class:`~epd_actors.router.Router`.
+
+    ``health`` is 200 only when every pool has a usable worker; its body lists
+    each pool's workers and their state.
+    """
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.admin: AdminHook | None = None
+
+    def generate(
+        self, request: GenerationRequest
+    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
+        return self.router.generate(request)
+
+    def models(self) -> list[str]:
+        return [self.router.config.model]
+
+    def health(self) -> tuple[int, dict[str, object]]:
+        stats = self.router.statistics()
+        pools: dict[str, object] = {}
+        healthy = True
+        for stage, members in stats.pools.items():
+            usable = sum(member.usable for member in members)
+            healthy = healthy and usable > 0
+            pools[stage] = {
+                "usable": usable,
+                "workers": [
+                    {
+                        "id": m.worker_id,
+                        "usable": m.usable,
+                        "connected": m.connected,
+                        "draining": m.draining,
+                        "in_flight": m.in_flight,
+                        "served": m.served,
+                    }
+                    for m in members
+                ],
+            }
+        body: dict[str, object] = {
+            "status": "ok" if healthy else "unavailable",
+            "requests_in_flight": stats.supervisor.requests_in_flight,
+            "pools": pools,
+        }
+        return (200 if healthy else 503), body
+
+    def metrics(self) -> str | bytes:
+        return self.router.metrics.render()
+
+    def observe_http(self, route: str, status: int) -> None:
+        self.router.metrics.observe_http(route, status)
