@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .addresses import parse_address
 from .errors import ConfigError
+from .health import HealthPolicy
 from .limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS
 from .retry import RetryPolicy
 from .routing import POLICY_NAMES
@@ -110,6 +111,7 @@ class RouterConfig:
         actors: actor bounds.
         retries: when failed E, P (and not yet streaming D/PD) attempts move to
             another worker.
+        health: the per-worker circuit breaker thresholds.
     """
 
     pools: tuple[PoolConfig, ...]
@@ -118,6 +120,7 @@ class RouterConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)
     actors: ActorLimits = field(default_factory=ActorLimits)
     retries: RetryPolicy = field(default_factory=RetryPolicy)
+    health: HealthPolicy = field(default_factory=HealthPolicy)
 
     def __post_init__(self) -> None:
         validate(self)

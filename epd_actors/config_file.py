@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .config import ActorLimits, Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
 from .errors import ConfigError
+from .health import HealthPolicy
 from .retry import RetryPolicy
 
 MIB = 1024 * 1024
@@ -207,6 +208,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     deadlines = _deadlines(top.table("deadlines"))
     actors = _actors(top.table("actors"))
     retries = _retries(top.table("retries"))
+    health = _health(top.table("health"))
     pools_table = top.table("pools")
     pools = tuple(_pool(stage, table) for stage, table in pools_table.remaining_tables())
     top.done()
@@ -217,6 +219,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
         deadlines=deadlines,
         actors=actors,
         retries=retries,
+        health=health,
     )
     return FileConfig(router, server)
 
@@ -312,6 +315,17 @@ def _retries(table: _Table) -> RetryPolicy:
         backoff_start_s=table.number("backoff_start_s", r.backoff_start_s),
         backoff_max_s=table.number("backoff_max_s", r.backoff_max_s),
         jitter=table.number("jitter", r.jitter),
+    )
+    table.done()
+    return config
+
+
+def _health(table: _Table) -> HealthPolicy:
+    h = HealthPolicy()
+    config = HealthPolicy(
+        failure_threshold=table.integer("failure_threshold", h.failure_threshold, minimum=1),
+        success_threshold=table.integer("success_threshold", h.success_threshold, minimum=1),
+        open_cooldown_s=table.number("open_cooldown_s", h.open_cooldown_s, minimum=0.001),
     )
     table.done()
     return config

@@ -3,10 +3,11 @@
 Theory of operation: a :class:`WorkerPool` holds one :class:`PoolMember` per
 worker (its backend plus the router's own bookkeeping).  To run a job an actor
 asks for a :class:`Lease`: the pool filters the members that can take work now
-(connected, engine ready, not draining, below ``max_in_flight_per_worker``,
-not excluded by the caller), lets the pool's routing policy pick one (a pure,
-synchronous decision), and counts the job against that member until the lease
-is released.  When every usable member is at its limit the caller waits for a
+(connected, engine ready, not draining, circuit breaker closed or probing,
+below ``max_in_flight_per_worker``, not excluded by the caller), lets the
+pool's routing policy pick one (a pure, synchronous decision), and counts the
+job against that member until the lease is released; the lease carries the
+job's verdict to the member's circuit breaker (``health.py``).  When every usable member is at its limit the caller waits for a
 slot (bounded by the request's deadline, which the caller owns); when no member
 is usable at all the pool refuses at once with ``NoHealthyWorker``.
 
@@ -17,17 +18,17 @@ the next lease; leases already granted finish normally.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
 
 from .errors import ConfigError, NoHealthyWorker
+from .health import CircuitBreaker, HealthPolicy
 from .routing import Candidate, Policy, RouteKey
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator
+    from collections.abc import Iterable
 
     from .backends.base import StageBackend
 
@@ -37,11 +38,12 @@ logger = logging.getLogger(__name__)
 class PoolMember:
     """One worker in a pool."""
 
-    __slots__ = ("backend", "drained", "in_flight", "served", "worker_id")
+    __slots__ = ("backend", "breaker", "drained", "in_flight", "served", "worker_id")
 
-    def __init__(self, backend: StageBackend) -> None:
+    def __init__(self, backend: StageBackend, health: HealthPolicy) -> None:
         self.backend = backend
         self.worker_id = backend.worker_id
+        self.breaker = CircuitBreaker(health)
         self.in_flight = 0
         self.served = 0
         self.drained = False
@@ -49,10 +51,15 @@ class PoolMember:
     def __repr__(self) -> str:
         return f"<PoolMember {self.worker_id} in_flight={self.in_flight}>"
 
-    def usable(self) -> bool:
+    def reachable(self) -> bool:
         """Connected, ready, and neither the worker nor an operator is draining it."""
         status = self.backend.status()
         return status.connected and status.ready and not status.draining and not self.drained
+
+    def usable(self, now: float | None = None) -> bool:
+        """Reachable, and its circuit breaker lets a job through at ``now``."""
+        moment = trio.current_time() if now is None else now
+        return self.reachable() and self.breaker.allows(moment)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,26 +72,47 @@ class MemberStatistics:
     draining: bool
     in_flight: int
     served: int
+    breaker: str
 
 
 class Lease:
-    """The right to run one job on one member; release it exactly once."""
+    """The right to run one job on one member; release it exactly once.
 
-    __slots__ = ("_pool", "member", "released")
+    Record the job's verdict before releasing: ``succeeded()``, or
+    ``failed()`` for a worker-side failure.  A lease released without a
+    verdict (cancelled, client error) leaves the worker's health unchanged.
+    """
+
+    __slots__ = ("_pool", "member", "released", "verdict")
 
     def __init__(self, pool: WorkerPool, member: PoolMember) -> None:
         self._pool = pool
         self.member = member
         self.released = False
+        self.verdict: bool | None = None
 
     @property
     def backend(self) -> StageBackend:
         return self.member.backend
 
+    def succeeded(self) -> None:
+        self.verdict = True
+
+    def failed(self) -> None:
+        self.verdict = False
+
     def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._pool._return(self.member)
+        if self.released:
+            return
+        self.released = True
+        breaker = self.member.breaker
+        if self.verdict is True:
+            breaker.record_success()
+        elif self.verdict is False:
+            breaker.record_failure(trio.current_time())
+        else:
+            breaker.release_probe()
+        self._pool._return(self.member)
 
 
 class WorkerPool:
@@ -96,12 +124,20 @@ class WorkerPool:
         max_in_flight_per_worker: jobs one worker may hold from this router.
     """
 
-    def __init__(self, stage: str, policy: Policy, *, max_in_flight_per_worker: int) -> None:
+    def __init__(
+        self,
+        stage: str,
+        policy: Policy,
+        *,
+        max_in_flight_per_worker: int,
+        health: HealthPolicy | None = None,
+    ) -> None:
         if max_in_flight_per_worker < 1:
             raise ConfigError(f"pools.{stage}.max_in_flight_per_worker must be >= 1")
         self.stage = stage
         self.policy = policy
         self.max_in_flight_per_worker = max_in_flight_per_worker
+        self.health = health or HealthPolicy()
         self._members: dict[str, PoolMember] = {}
         self._slot_freed = trio.lowlevel.ParkingLot()
 
@@ -122,7 +158,7 @@ class WorkerPool:
         """Add a worker (its backend must already be running)."""
         if backend.worker_id in self._members:
             raise ConfigError(f"worker {backend.worker_id!r} is already in pool {self.stage!r}")
-        member = PoolMember(backend)
+        member = PoolMember(backend, self.health)
         self._members[backend.worker_id] = member
         logger.info("pool %s: added worker %s", self.stage, backend.worker_id)
         return member
@@ -138,7 +174,8 @@ class WorkerPool:
         self._members[worker_id].drained = True
 
     def usable_count(self) -> int:
-        return sum(member.usable() for member in self._members.values())
+        now = trio.current_time()
+        return sum(member.usable(now) for member in self._members.values())
 
     def statistics(self) -> list[MemberStatistics]:
         out = []
@@ -152,6 +189,7 @@ class WorkerPool:
                     draining=status.draining or member.drained,
                     in_flight=member.in_flight,
                     served=member.served,
+                    breaker=member.breaker.state.value,
                 )
             )
         return out
@@ -163,8 +201,9 @@ class WorkerPool:
             NoHealthyWorker: no member is usable at all (after ``exclude``).
         """
         excluded = set(exclude)
+        now = trio.current_time()
         usable = [
-            m for m in self._members.values() if m.worker_id not in excluded and m.usable()
+            m for m in self._members.values() if m.worker_id not in excluded and m.usable(now)
         ]
         if not usable:
             raise NoHealthyWorker(f"no healthy {self.stage} worker", retry_after=1.0)
@@ -176,6 +215,7 @@ class WorkerPool:
         choice = self.policy.choose(candidates, key)
         assert choice is not None, "a policy returns None only for no candidates"
         member = open_members[choice.worker_id]
+        member.breaker.on_dispatch(now)
         member.in_flight += 1
         member.served += 1
         return Lease(self, member)
@@ -195,14 +235,6 @@ class WorkerPool:
             if granted is not None:
                 return granted
             await self._slot_freed.park()
-
-    @contextmanager
-    def leased(self, lease: Lease) -> Iterator[StageBackend]:
-        """Run a block on a lease's backend and always return the lease."""
-        try:
-            yield lease.backend
-        finally:
-            lease.release()
 
     def _return(self, member: PoolMember) -> None:
         member.in_flight -= 1

@@ -58,3 +58,12 @@ class RetryPolicy:
         """Delay before attempt ``attempt + 1``."""
         base = min(self.backoff_start_s * float(2 ** (attempt - 1)), self.backoff_max_s)
         return base * (1.0 - self.jitter * rng.random())
+
+
+def counts_against_worker(error: EpdError) -> bool:
+    """Whether a failure says something about the worker (feeds its circuit breaker).
+
+    Retryable worker errors do (lost connection, a worker-side error the worker
+    marked retryable); client errors and router-side conditions do not.
+    """
+    return isinstance(error, WorkerError) and error.retryable

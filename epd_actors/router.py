@@ -130,6 +130,19 @@ class Router:
         self.backends[endpoint.worker_id] = backend
         pool.add(backend)
 
+    def drain_worker(self, worker_id: str) -> None:
+        """Send the worker no new jobs; its in-flight jobs finish normally.
+
+        Raises:
+            ConfigError: unknown worker id.
+        """
+        for pool in self.pools.values():
+            if pool.get(worker_id) is not None:
+                pool.drain(worker_id)
+                logger.info("worker %s drained by an operator", worker_id)
+                return
+        raise ConfigError(f"unknown worker {worker_id!r}")
+
     def remove_worker(self, worker_id: str) -> None:
         """Remove a worker; its in-flight jobs are cancelled with its connection.
 
@@ -179,6 +192,7 @@ async def open_router(
             pool.stage,
             make_policy(pool.policy_name),
             max_in_flight_per_worker=pool.max_in_flight_per_worker,
+            health=config.health,
         )
         for pool in config.pools
     }

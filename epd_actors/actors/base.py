@@ -38,7 +38,7 @@ import trio
 
 from ..errors import EpdError, NoHealthyWorker
 from ..limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, JOB_REPLY_BUFFER
-from ..retry import RetryPolicy
+from ..retry import RetryPolicy, counts_against_worker
 from ..routing import RouteKey, affinity_for_prompt
 from .jobs import Job, StageContext, StageEvent, StageFailure
 
@@ -269,8 +269,11 @@ class BaseActor:
             job.worker_id = lease.member.worker_id
             try:
                 await self.handle(job, lease.backend)
+                lease.succeeded()
                 return
             except EpdError as exc:
+                if counts_against_worker(exc):
+                    lease.failed()
                 retry = self.retry.should_retry(
                     exc, attempt=attempt, output_started=job.output_started
                 )

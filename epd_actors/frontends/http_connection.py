@@ -1,0 +1,624 @@
+"""One HTTP/1.1 client connection: its h11 state machine, request loop and responses.
+
+Theory of operation
+-------------------
+:class:`HttpConnection` serves a connection's requests strictly one after
+another; bytes of pipelined requests that arrive early wait inside h11.  Each
+request goes through:
+
+1. *head*, read under ``keep_alive_timeout_s`` (idle time between requests and
+   slow heads alike; 408 if part of a head had arrived, else a silent close).
+   h11's ``max_incomplete_event_size`` bounds the head (431).
+2. *checks before the body*: route (404), method (405 + ``Allow``), API key
+   (401), content type (415), declared ``Content-Length`` (413), so a refused
+   body is never read; then ``100 Continue`` if the client waits for it.
+3. *body*, read under ``body_timeout_s`` (408) while counting (413 as soon as a
+   chunked body passes the limit); then JSON (400), the OpenAI schema (400
+   naming the field), the model name (404), pending media.
+4. *generation*: ``app.generate(request)`` runs while a sibling task reads the
+   socket.  EOF means the client left: the task cancels the response, and
+   leaving the ``generate`` block is what cancels the request and makes the
+   router abort its workers.  A failed write, or one slower than
+   ``write_timeout_s``, does the same.
+
+An answer that is an error is built by :func:`~.http_errors.error_response`.
+A stream that fails once its headers are out ends with an SSE ``error``
+event, no ``[DONE]``, and the connection closes.  When the request body was not
+read (413, or a refusal before the body), the connection closes after the
+answer, lingering up to ``linger_s`` so the client reads it instead of a reset.
+
+Streaming does no per-token work it can batch: after one event arrives, every
+event already queued is taken with ``receive_nowait()``, rendered by templating
+(:class:`~.openai_format.SseFormatter`) and written with one ``send_all``.
+Backpressure: the router's event channel is bounded and each write waits for
+the socket, so a slow client slows only its own request.
+"""
+
+from __future__ import annotations
+
+import http
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import h11
+import trio
+
+from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
+from ..request import DeltaEvent, DoneEvent, ErrorEvent, RequestTimings, new_request_id
+from .http_errors import ErrorBody, HttpError, error_response
+from .media import resolve_media
+from .openai_format import SseFormatter, error_body, logprobs_body, response_body, unix_time
+from .openai_schema import ParsedRequest, parse_chat_completion, parse_completion
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..request import GenerationEvent
+    from .http_app import HttpApp, HttpSettings
+    from .media import MediaFetcher
+
+logger = logging.getLogger("epd_actors.frontends.http")
+
+ROUTES: Final = {
+    "/v1/chat/completions": "POST",
+    "/v1/completions": "POST",
+    "/v1/models": "GET",
+    "/health": "GET",
+    "/metrics": "GET",
+}
+"""Path -> the one method it accepts (``/admin/*`` is routed separately)."""
+
+MAX_SESSION_KEY_CHARS: Final = 256
+
+_REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_SSE_HEADERS: Final = (("content-type", "text/event-stream"), ("cache-control", "no-cache"))
+_METRICS_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+_PHRASES: Final = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+_NO_TIMINGS: Final = RequestTimings(
+    queue_wait_s=0.0, stages={}, ttft_s=None, total_s=0.0, workers={}
+)
+
+
+class ClientGone(Exception):
+    """The client closed, reset, or stopped reading: stop serving this connection."""
+
+
+class _Failed(Exception):
+    """A generation ended with an ``ErrorEvent`` before its response started."""
+
+    def __init__(self, event: ErrorEvent) -> None:
+        super().__init__(str(event.error))
+        self.error = event.error
+        self.timings = event.timings
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """One request/response cycle, for the access log and metrics."""
+
+    method: str
+    path: str
+    rid: str
+    started: float
+    route: str = "other"
+    status: int = 0
+    sent: int = 0
+
+
+class HttpConnection:
+    """One client connection (see the module docstring).
+
+    Args:
+        stream: the connection's byte stream.
+        app: what requests run against.
+        settings: limits, timeouts, keys.
+        authorized: ``authorized(header, admin=...)`` checks an Authorization header.
+        fetcher: loads allowed media URLs (None: URL media are refused).
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        *,
+        app: HttpApp,
+        settings: HttpSettings,
+        authorized: Callable[..., bool],
+        fetcher: MediaFetcher | None = None,
+    ) -> None:
+        self.stream = stream
+        self.app = app
+        self.settings = settings
+        self._authorized = authorized
+        self._fetcher = fetcher
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_bytes)
+        self.saw_eof = False
+        self.close_after = False
+        self.exchange: _Exchange | None = None
+
+    def __repr__(self) -> str:
+        return f"<HttpConnection request={self.rid} state={self.h11.states}>"
+
+    @property
+    def rid(self) -> str:
+        """The id of the current request (``-`` before the first)."""
+        return self.exchange.rid if self.exchange else "-"
+
+    # -- the request loop
+
+    async def serve(self) -> None:
+        """Serve requests until the connection should close.
+
+        Cancellation: cancels the request being served (its workers are told
+        to abort); the caller closes the stream.
+        Backpressure: one request at a time; pipelined bytes wait in h11.
+        """
+        while True:
+            request = await self._next_request()
+            if request is None:
+                return
+            await self._exchange(request)
+            if (
+                self.close_after
+                or self.h11.our_state is not h11.DONE
+                or self.h11.their_state is not h11.DONE
+            ):
+                return
+            self.h11.start_next_cycle()
+
+    async def _next_request(self) -> h11.Request | None:
+        """The next request head, or None when the connection should close."""
+        with trio.move_on_after(self.settings.keep_alive_timeout_s):
+            try:
+                event = await self._next_event()
+            except h11.RemoteProtocolError as exc:
+                status = exc.error_status_hint
+                text = "request head too large" if status == 431 else f"bad request: {exc}"
+                await self._refuse_head(HttpError(status, text))
+                return None
+            except ClientGone:
+                return None
+            return event if isinstance(event, h11.Request) else None
+        if self.h11.their_state is h11.IDLE and self.h11.trailing_data[0]:
+            await self._refuse_head(HttpError(408, "request head timed out", code="timeout"))
+        return None
+
+    async def _refuse_head(self, exc: HttpError) -> None:
+        self.exchange = exchange = _Exchange("-", "-", new_request_id(), trio.current_time())
+        self.close_after = True
+        try:
+            await self._send_error(exc)
+        except ClientGone:
+            pass
+        finally:
+            self._log_exchange(exchange)
+
+    async def _exchange(self, request: h11.Request) -> None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
+        rid = headers.get("x-request-id", "")
+        if not _REQUEST_ID.match(rid):
+            rid = new_request_id()
+        path = request.target.split(b"?", 1)[0].decode("latin-1")
+        method = request.method.decode("latin-1")
+        self.exchange = exchange = _Exchange(method, path, rid, trio.current_time())
+        try:
+            await self._route(method, path, headers, exchange)
+        except (HttpError, EpdError, _Failed) as exc:
+            try:
+                await self._send_error(exc)
+            except ClientGone:
+                self.close_after = True
+        except ClientGone:
+            self.close_after = True
+        finally:
+            self._log_exchange(exchange)
+
+    async def _route(
+        self, method: str, path: str, headers: dict[str, str], exchange: _Exchange
+    ) -> None:
+        allowed = ROUTES.get(path)
+        if allowed is None:
+            if path.startswith("/admin/") and self.app.admin and self.settings.admin_keys:
+                exchange.route = "/admin"
+                await self._admin(method, path, headers)
+                return
+            raise HttpError(404, f"no route for {path}", type="not_found_error", code="not_found")
+        exchange.route = path
+        if method != allowed:
+            raise HttpError(
+                405,
+                f"{path} accepts {allowed} only",
+                code="method_not_allowed",
+                headers=(("allow", allowed),),
+            )
+        if path.startswith("/v1/") and not self._authorized(headers.get("authorization", "")):
+            raise Unauthorized("missing or invalid API key")
+        if method == "POST":
+            body = await self._read_json(headers)
+            await self._completion(path, body, headers)
+            return
+        await self._read_body(0)
+        if path == "/v1/models":
+            await self._send_json(200, _models_body(self.app.models()))
+        elif path == "/health":
+            status, health = self.app.health()
+            await self._send_json(status, health)
+        else:
+            text = self.app.metrics()
+            payload = text.encode() if isinstance(text, str) else text
+            await self._send_bytes(200, payload, (("content-type", _METRICS_TYPE),))
+
+    async def _admin(self, method: str, path: str, headers: dict[str, str]) -> None:
+        if not self._authorized(headers.get("authorization", ""), admin=True):
+            raise Unauthorized("missing or invalid admin key")
+        hook = self.app.admin
+        assert hook is not None
+        body = await self._read_json(headers) if method in ("POST", "PUT") else None
+        if body is None:
+            await self._read_body(0)
+        status, answer = await hook(method, path, body)
+        await self._send_json(status, answer)
+
+    # -- reading
+
+    async def _read_json(self, headers: dict[str, str]) -> object:
+        content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if content_type != "application/json":
+            raise HttpError(
+                415, "content-type must be application/json", code="unsupported_media_type"
+            )
+        limit = self.settings.max_body_bytes
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise HttpError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+        if self.h11.they_are_waiting_for_100_continue:
+            await self._send(h11.InformationalResponse(status_code=100, headers=[]))
+        raw = await self._read_body(limit)
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise HttpError(
+                400, f"request body is not valid JSON: {exc}", code="invalid_json"
+            ) from None
+
+    async def _read_body(self, limit: int) -> bytes:
+        """The request body (at most ``limit`` bytes), within ``body_timeout_s``."""
+        chunks: list[bytes] = []
+        size = 0
+        with trio.move_on_after(self.settings.body_timeout_s):
+            while True:
+                try:
+                    event = await self._next_event()
+                except h11.RemoteProtocolError as exc:
+                    raise HttpError(400, f"malformed request body: {exc}") from None
+                if isinstance(event, h11.Data):
+                    size += len(event.data)
+                    if size > limit:
+                        raise HttpError(
+                            413, f"request body exceeds {limit} bytes", code="body_too_large"
+                        )
+                    chunks.append(event.data)
+                elif isinstance(event, h11.EndOfMessage):
+                    return b"".join(chunks)
+                else:
+                    raise ClientGone("connection closed while sending the body")
+        raise HttpError(408, "request body timed out", code="timeout")
+
+    async def _next_event(self) -> object:
+        """The next h11 event (never ``NEED_DATA``: reads until there is one)."""
+        while True:
+            event = self.h11.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            self.h11.receive_data(await self._receive())
+
+    async def _receive(self) -> bytes:
+        try:
+            data = await self.stream.receive_some(self.settings.receive_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            data = b""
+        if not data:
+            self.saw_eof = True
+        return bytes(data) if isinstance(data, bytearray) else data
+
+    # -- generation
+
+    async def _completion(self, path: str, body: object, headers: dict[str, str]) -> None:
+        parse = parse_chat_completion if path == "/v1/chat/completions" else parse_completion
+        session = headers.get("x-session-id") or None
+        if session is not None and len(session) > MAX_SESSION_KEY_CHARS:
+            raise InvalidRequest(
+                f"x-session-id must have at most {MAX_SESSION_KEY_CHARS} characters",
+                param="x-session-id",
+            )
+        parsed = parse(body, request_id=self.rid, limits=self.settings.media, session_key=session)
+        if parsed.model not in self.app.models():
+            raise HttpError(
+                404,
+                f"the model {parsed.model!r} does not exist",
+                type="not_found_error",
+                code="model_not_found",
+                param="model",
+            )
+        if parsed.pending:
+            parsed = await resolve_media(parsed, limits=self.settings.media, fetcher=self._fetcher)
+        await self._watched(parsed)
+
+    async def _watched(self, parsed: ParsedRequest) -> None:
+        """Run ``parsed`` while a sibling task watches for the client leaving.
+
+        A failure is carried out of the nursery by hand so that one exception,
+        not a group, reaches the error mapping.
+        """
+        failure: HttpError | EpdError | ClientGone | _Failed | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch, nursery.cancel_scope, name=f"watch:{parsed.request_id}")
+            try:
+                if parsed.stream:
+                    await self._stream(parsed)
+                else:
+                    await self._unary(parsed)
+            except (HttpError, EpdError, ClientGone, _Failed) as exc:
+                failure = exc
+            finally:
+                nursery.cancel_scope.cancel(reason="response finished")
+        if self.saw_eof:
+            logger.debug("[%s] client disconnected; request cancelled", parsed.request_id)
+            raise ClientGone("client disconnected")
+        if failure is not None:
+            raise failure
+
+    async def _watch(self, scope: trio.CancelScope) -> None:
+        """Hand early (pipelined) bytes to h11; on EOF, cancel the response."""
+        while len(self.h11.trailing_data[0]) <= self.settings.max_pipelined_bytes:
+            data = await self._receive()
+            self.h11.receive_data(data)
+            if not data:
+                scope.cancel(reason="client disconnected")
+                return
+
+    async def _unary(self, parsed: ParsedRequest) -> None:
+        texts: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        final: GenerationEvent | None = None
+        async with self.app.generate(parsed.request) as events:
+            async for final in events:
+                if isinstance(final, DeltaEvent):
+                    texts.append(final.text)
+                    if parsed.logprobs and final.logprobs is not None:
+                        token_ids.extend(final.token_ids)
+                        logprobs.extend(final.logprobs)
+                elif isinstance(final, DoneEvent | ErrorEvent):
+                    break
+        if isinstance(final, ErrorEvent):
+            raise _Failed(final)
+        if not isinstance(final, DoneEvent):
+            raise ActorCrashed("the request ended without a final event")
+        body = response_body(
+            parsed.kind,
+            request_id=parsed.request_id,
+            model=parsed.model,
+            created=unix_time(),
+            text="".join(texts),
+            finish_reason=final.finish_reason,
+            usage=final.usage,
+            logprobs=logprobs_body(parsed.kind, token_ids, logprobs) if parsed.logprobs else None,
+        )
+        await self._send_json(200, body, (("x-epd-timings", final.timings.header_value()),))
+
+    async def _stream(self, parsed: ParsedRequest) -> None:
+        formatter = SseFormatter(
+            parsed.kind,
+            request_id=parsed.request_id,
+            model=parsed.model,
+            created=unix_time(),
+            logprobs=parsed.logprobs,
+        )
+        async with self.app.generate(parsed.request) as events:
+            batch = await next_batch(events)
+            if batch and isinstance(batch[0], ErrorEvent):
+                raise _Failed(batch[0])
+            self._note_status(200)
+            head = self.h11.send(
+                h11.Response(status_code=200, headers=self._headers(_SSE_HEADERS), reason=b"OK")
+            )
+            text = formatter.start()
+            while True:
+                more, final = render_batch(formatter, batch, parsed)
+                data = head + self.h11.send(h11.Data(data=(text + more).encode("utf-8", "replace")))
+                if final is not None:
+                    data += self.h11.send(h11.EndOfMessage())
+                if data:
+                    await self._write(data)
+                if final is not None:
+                    break
+                head, text = b"", ""
+                batch = await next_batch(events)
+        if isinstance(final, ErrorEvent):
+            logger.info("[%s] stream failed: %s", parsed.request_id, final.error)
+            self.close_after = True
+
+    # -- writing
+
+    def _headers(self, extra: tuple[tuple[str, str], ...] = ()) -> list[tuple[str, str]]:
+        headers = [("x-request-id", self.rid), *extra]
+        if self.close_after:
+            headers.append(("connection", "close"))
+        return headers
+
+    def _note_status(self, status: int) -> None:
+        if self.exchange is not None:
+            self.exchange.status = status
+
+    async def _send_json(
+        self, status: int, body: object, extra: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        await self._send_bytes(status, payload, (("content-type", "application/json"), *extra))
+
+    async def _send_bytes(
+        self, status: int, payload: bytes, extra: tuple[tuple[str, str], ...]
+    ) -> None:
+        headers = self._headers((*extra, ("content-length", str(len(payload)))))
+        self._note_status(status)
+        await self._send(
+            h11.Response(status_code=status, headers=headers, reason=_PHRASES.get(status, b"")),
+            h11.Data(data=payload),
+            h11.EndOfMessage(),
+        )
+
+    async def _send_error(self, exc: HttpError | EpdError | _Failed) -> None:
+        timings = exc.timings if isinstance(exc, _Failed) else None
+        error = exc.error if isinstance(exc, _Failed) else exc
+        answer = error_response(error)
+        if answer is None or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            self.close_after = True
+            return
+        if not self._body_complete():
+            self.close_after = True  # the body was not read: the connection cannot be reused
+        extra = answer.headers
+        if timings is not None:
+            extra = (*extra, ("x-epd-timings", timings.header_value()))
+        logger.debug("[%s] answering %d: %s", self.rid, answer.status, error)
+        await self._send_json(answer.status, answer.body, extra)
+
+    def _body_complete(self) -> bool:
+        """Consume what is left of the request body if it is already buffered."""
+        while self.h11.their_state is h11.SEND_BODY:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError:
+                return False
+            if not isinstance(event, h11.Data | h11.EndOfMessage):
+                return False
+        return self.h11.their_state is h11.DONE
+
+    async def _send(self, *events: h11.Event) -> None:
+        data = b"".join(self.h11.send(event) or b"" for event in events)
+        await self._write(data)
+
+    async def _write(self, data: bytes) -> None:
+        if self.exchange is not None:
+            self.exchange.sent += len(data)
+        with trio.move_on_after(self.settings.write_timeout_s):
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.close_after = True
+                raise ClientGone("the client stopped reading") from None
+            return
+        self.close_after = True
+        raise ClientGone(f"a write took longer than {self.settings.write_timeout_s:g}s")
+
+    async def internal_error(self) -> None:
+        """Best-effort 500 after an unexpected error, if no response has started.
+
+        Cancellation: bounded by ``write_timeout_s``; skipped when cancelled.
+        """
+        self.close_after = True
+        if self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            body = error_body("internal server error", type="internal_error")
+            try:
+                await self._send_json(500, body)
+            except (ClientGone, h11.LocalProtocolError):
+                logger.debug("[%s] could not send the 500", self.rid)
+
+    async def close(self) -> None:
+        """Say EOF, let the client read the last answer, then close the stream.
+
+        Cancellation: the linger is bounded by ``linger_s`` (and ends at once
+        when the connection's task is cancelled); the close itself is forceful
+        and never waits.
+        """
+        if not self.saw_eof:
+            with trio.move_on_after(self.settings.linger_s):
+                try:
+                    if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                        await self.stream.send_eof()
+                    drained = 0
+                    while drained <= self.settings.max_body_bytes:
+                        data = await self.stream.receive_some(self.settings.receive_bytes)
+                        if not data:
+                            break
+                        drained += len(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    logger.debug("[%s] connection reset while closing", self.rid)
+        await trio.aclose_forcefully(self.stream)
+
+    def _log_exchange(self, exchange: _Exchange) -> None:
+        self.app.observe_http(exchange.route, exchange.status)
+        if self.settings.access_log:
+            logger.info(
+                '[%s] "%s %s" %d %dB %.1fms',
+                exchange.rid,
+                exchange.method,
+                exchange.path,
+                exchange.status,
+                exchange.sent,
+                (trio.current_time() - exchange.started) * 1000,
+            )
+
+
+def _models_body(models: list[str]) -> dict[str, object]:
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "epd_actors"} for name in models
+    ]
+    return {"object": "list", "data": data}
+
+
+async def next_batch(
+    events: trio.MemoryReceiveChannel[GenerationEvent],
+) -> list[GenerationEvent]:
+    """One event (waiting for it) plus every event already queued behind it.
+
+    An empty list means the channel ended without a final event.
+
+    Cancellation: safe; nothing is lost that was not already taken.
+    Backpressure: waits only for the first event.
+    """
+    try:
+        batch = [await events.receive()]
+    except trio.EndOfChannel:
+        return []
+    while not isinstance(batch[-1], DoneEvent | ErrorEvent):
+        try:
+            batch.append(events.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+    return batch
+
+
+def render_batch(
+    formatter: SseFormatter, batch: list[GenerationEvent], parsed: ParsedRequest
+) -> tuple[str, DoneEvent | ErrorEvent | None]:
+    """The SSE text of a batch of events, and its final event if it has one."""
+    if not batch:
+        error = ActorCrashed("the request ended without a final event")
+        return formatter.error(_stream_error_body(error)), ErrorEvent(error, _NO_TIMINGS)
+    parts: list[str] = []
+    for event in batch:
+        if isinstance(event, DeltaEvent):
+            if event.text or (parsed.logprobs and event.token_ids):
+                parts.append(formatter.delta(event.text, event.token_ids, event.logprobs))
+        elif isinstance(event, DoneEvent):
+            parts.append(formatter.finish(event.finish_reason))
+            if parsed.include_usage:
+                parts.append(formatter.usage(event.usage))
+            parts.append(formatter.comment("timings " + event.timings.header_value()))
+            parts.append(formatter.done())
+            return "".join(parts), event
+        elif isinstance(event, ErrorEvent):
+            parts.append(formatter.comment("timings " + event.timings.header_value()))
+            parts.append(formatter.error(_stream_error_body(event.error)))
+            return "".join(parts), event
+    return "".join(parts), None
+
+
+def _stream_error_body(error: EpdError) -> ErrorBody:
+    answer = error_response(error)
+    if answer is None:
+        return error_body(str(error), type="cancelled", code="cancelled")
+    return answer.body

@@ -1,0 +1,730 @@
+"""The WebSocket front end: many concurrent generations per connection (trio-websocket).
+
+Theory of operation
+-------------------
+:func:`serve_ws` runs ``trio_websocket.serve_websocket``; each handshake goes
+to :meth:`WsServer.handle_request`, which refuses a wrong path (404) or a
+missing or wrong API key (401) and otherwise accepts and serves the
+connection with a :class:`WsConnection`.  docs/websocket.md defines the
+messages.
+
+A connection owns one nursery holding three kinds of task:
+
+* the *reader* (the handler task itself) takes client messages one at a time,
+  parses each into a :data:`ClientMessage` (:func:`parse_client_message`;
+  anything invalid is answered with an ``error`` and the connection stays
+  open) and acts on it: ``generate`` registers the id and starts a generation
+  task, ``cancel`` cancels that task's scope, ``ping`` is answered ``pong``;
+* one *generation task* per live id, under its own cancel scope: it parses
+  the OpenAI body with :mod:`.openai_schema` (exactly as the HTTP front end
+  does), loads pending media, runs ``app.generate`` and turns its events into
+  ``delta`` messages and one terminal ``done`` / ``error`` / ``cancelled``;
+* one *writer* that sends the messages of all the others, in order, from a
+  bounded channel (each producer holds its own clone of the send side).
+
+Backpressure: a generation task takes every delta that is already waiting
+(``receive_nowait``) and merges them into one message before it puts that
+message on the writer's channel.  When the client reads slowly, the writer
+waits on the socket, the channel fills, the generation tasks wait on it, and
+the router's bounded event channels make the engines wait in turn; only this
+connection's streams slow down.  The reader also waits when the channel is
+full (its ``pong`` and ``error`` answers go through it), so a client that does
+not read also stops being read.
+
+Cancellation: a ``cancel`` message, or the socket closing, cancels
+generation scopes; leaving ``app.generate`` is what cancels the request and
+makes the router abort its workers (shielded and bounded there).
+
+Errors are mapped once, by :func:`~.http.error_response`; the front end's own
+refusals are :class:`WsMessageError` (an ``HttpError`` whose status is unused).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Final, NoReturn, Protocol
+from urllib.parse import parse_qs, urlsplit
+
+import trio
+from trio_websocket import ConnectionClosed, serve_websocket
+
+from ..errors import ActorCrashed, ConfigError, EpdError, Overloaded, Unauthorized
+from ..request import DeltaEvent, DoneEvent, ErrorEvent
+from .http import HttpError, error_response
+from .media import MediaLimits, open_media_fetcher, resolve_media
+from .openai_format import error_body, usage_body
+from .openai_schema import RequestKind, parse_chat_completion, parse_completion
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from contextlib import AbstractAsyncContextManager
+
+    from trio_websocket import WebSocketConnection, WebSocketRequest, WebSocketServer
+
+    from ..request import GenerationEvent, GenerationRequest, RequestTimings
+    from .media import MediaFetcher
+    from .openai_schema import ParsedRequest
+
+logger = logging.getLogger(__name__)
+
+MIB: Final = 1024 * 1024
+
+MAX_ID_CHARS: Final = 256
+"""Longest client generation id (characters)."""
+
+PONG: Final = '{"type":"pong"}'
+
+_KINDS: Final[tuple[RequestKind, ...]] = ("chat", "completion")
+
+
+class WsApp(Protocol):
+    """What the WebSocket front end needs: a router, or anything that generates."""
+
+    def generate(
+        self, request: GenerationRequest
+    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WsSettings:
+    """Limits, timeouts and keys of the WebSocket front end (docs/websocket.md).
+
+    Attributes:
+        path: the only accepted handshake path (other paths: 404).
+        api_keys: accepted keys (``Authorization: Bearer`` or ``?api_key=``);
+            empty = open.
+        models: model names a request may name; empty = any.
+        max_message_bytes: largest client message (``len()`` of its text); a
+            larger one closes the connection with code 1009.
+        max_generations: generations one connection may run at once; one more
+            is refused with ``overloaded``.
+        handshake_timeout_s: time for the client to complete the opening
+            handshake (seconds).
+        idle_timeout_s: a connection with no generation running and no client
+            message for this long is closed (code 1000, reason ``idle timeout``;
+            seconds).
+        close_timeout_s: time the closing handshake may take (seconds).
+        outgoing_buffer: server messages waiting for the writer (messages).
+            Each holds several merged deltas; a full buffer blocks this
+            connection's generations, which is the backpressure.
+        incoming_buffer: client messages trio-websocket buffers before it stops
+            reading the socket (messages).
+        media: media limits and the URL/path allow-list (as for HTTP).
+    """
+
+    path: str = "/v1/ws"
+    api_keys: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    max_message_bytes: int = 48 * MIB
+    max_generations: int = 64
+    handshake_timeout_s: float = 10.0
+    idle_timeout_s: float = 300.0
+    close_timeout_s: float = 5.0
+    outgoing_buffer: int = 16
+    incoming_buffer: int = 4
+    media: MediaLimits = field(default_factory=MediaLimits)
+
+    def __post_init__(self) -> None:
+        if not self.path.startswith("/"):
+            raise ConfigError(f"ws.path must start with '/', got {self.path!r}")
+        for name in ("max_message_bytes", "max_generations", "outgoing_buffer", "incoming_buffer"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ws.{name} must be >= 1")
+        for name in ("handshake_timeout_s", "idle_timeout_s", "close_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0 or math.isnan(value):
+                raise ConfigError(f"ws.{name} must be a positive number, got {value!r}")
+
+
+# ---------------------------------------------------------------- client messages
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateMessage:
+    """``{"type": "generate", "id", "kind", "request"}``; ``request`` is checked later."""
+
+    id: str
+    kind: RequestKind
+    request: object
+
+
+@dataclass(frozen=True, slots=True)
+class CancelMessage:
+    """``{"type": "cancel", "id"}``."""
+
+    id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PingMessage:
+    """``{"type": "ping"}``."""
+
+
+ClientMessage = GenerateMessage | CancelMessage | PingMessage
+
+
+class WsMessageError(HttpError):
+    """A client message the server refuses; ``client_id`` is its id when it had a usable one."""
+
+    def __init__(
+        self, message: str, *, code: str, param: str | None = None, client_id: str | None = None
+    ) -> None:
+        super().__init__(400, message, code=code, param=param)
+        self.client_id = client_id
+
+
+def parse_client_message(data: str | bytes) -> ClientMessage:
+    """One client frame -> a typed message.
+
+    Raises:
+        WsMessageError: not JSON, not an object, an unknown ``type``, a bad
+            ``id`` (``client_id`` is None), or a bad ``kind`` (``client_id`` set).
+    """
+    if not isinstance(data, str):
+        raise WsMessageError("messages must be text frames holding JSON", code="invalid_message")
+    try:
+        fields = json.loads(data, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:
+        raise WsMessageError(f"message is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(fields, dict):
+        raise WsMessageError("a message must be a JSON object", code="invalid_message")
+    kind = fields.get("type")
+    if kind == "ping":
+        return PingMessage()
+    if kind not in ("generate", "cancel"):
+        raise WsMessageError(
+            "type must be one of generate, cancel, ping", code="unknown_type", param="type"
+        )
+    client_id = fields.get("id")
+    if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_ID_CHARS:
+        raise WsMessageError(
+            f"id must be a string of 1 to {MAX_ID_CHARS} characters",
+            code="invalid_message",
+            param="id",
+        )
+    if kind == "cancel":
+        return CancelMessage(client_id)
+    request_kind = fields.get("kind")
+    if request_kind == "chat" or request_kind == "completion":
+        return GenerateMessage(client_id, request_kind, fields.get("request"))
+    raise WsMessageError(
+        "kind must be 'chat' or 'completion'",
+        code="invalid_message",
+        param="kind",
+        client_id=client_id,
+    )
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+# ---------------------------------------------------------------- server messages
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def error_payload(exc: BaseException) -> dict[str, str | None]:
+    """The ``error`` object of an error message (``message``, ``type``, ``code``, ``param``)."""
+    answer = error_response(exc)
+    if answer is None:  # RequestCancelled by the router itself (e.g. shutdown)
+        return error_body(str(exc), type="cancelled", code="cancelled")["error"]
+    return answer.body["error"]
+
+
+def error_message(client_id: str | None, exc: BaseException) -> str:
+    """``{"type": "error", "id", "error"}``; ``id`` null for connection-level errors."""
+    return _dumps({"type": "error", "id": client_id, "error": error_payload(exc)})
+
+
+def delta_message(client_id: str, deltas: Sequence[DeltaEvent], *, logprobs: bool) -> str:
+    """One ``delta`` message carrying ``deltas`` merged, in order."""
+    body: dict[str, object] = {
+        "type": "delta",
+        "id": client_id,
+        "text": "".join(delta.text for delta in deltas),
+        "token_ids": [token for delta in deltas for token in delta.token_ids],
+    }
+    if logprobs:
+        body["logprobs"] = [value for delta in deltas for value in delta.logprobs or ()]
+    return _dumps(body)
+
+
+def done_message(client_id: str, done: DoneEvent, *, request_id: str) -> str:
+    """``{"type": "done", "id", "request_id", "finish_reason", "usage", "timings"}``."""
+    return _dumps(
+        {
+            "type": "done",
+            "id": client_id,
+            "request_id": request_id,
+            "finish_reason": done.finish_reason,
+            "usage": usage_body(done.usage),
+            "timings": timings_body(done.timings),
+        }
+    )
+
+
+def cancelled_message(client_id: str) -> str:
+    """``{"type": "cancelled", "id"}``."""
+    return _dumps({"type": "cancelled", "id": client_id})
+
+
+def timings_body(timings: RequestTimings) -> dict[str, object]:
+    """Where the time went, in seconds (worker ids are not shown to clients)."""
+    return {
+        "queue_wait_s": timings.queue_wait_s,
+        "stages": dict(timings.stages),
+        "ttft_s": timings.ttft_s,
+        "total_s": timings.total_s,
+    }
+
+
+# ---------------------------------------------------------------- server
+
+
+@dataclass(frozen=True, slots=True)
+class WsConnectionStatistics:
+    """One connection's counters.
+
+    Attributes:
+        generations: generations running now.
+        messages_received / messages_sent: frames each way.
+        deltas_merged: router deltas that went out merged into another's message.
+        outgoing_buffered / outgoing_peak: the writer channel now, and its peak.
+    """
+
+    generations: int
+    messages_received: int
+    messages_sent: int
+    deltas_merged: int
+    outgoing_buffered: int
+    outgoing_peak: int
+
+
+@dataclass(frozen=True, slots=True)
+class WsServerStatistics:
+    """The server's counters; ``connections`` has one entry per open connection."""
+
+    accepted_total: int
+    rejected_total: int
+    connections: tuple[WsConnectionStatistics, ...]
+
+
+async def serve_ws(
+    app: WsApp,
+    host: str | None,
+    port: int,
+    *,
+    settings: WsSettings | None = None,
+    handler_nursery: trio.Nursery | None = None,
+    task_status: trio.TaskStatus[WsServer] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Serve the WebSocket API on ``host:port`` until cancelled.
+
+    Args:
+        app: the router, or anything with ``generate(request)``.
+        host: the interface to bind (None: all).
+        port: the port (0: any free one; see :attr:`WsServer.port`).
+        settings: limits, timeouts and keys (defaults: :class:`WsSettings`).
+        handler_nursery: where connection tasks run (default: an internal one).
+        task_status: reports the :class:`WsServer` once accepting.
+
+    Cancellation: cancelling stops accepting and cancels every connection;
+    their generations are cancelled and their workers told to abort.
+    Backpressure: per connection, see the module docstring; at most
+    ``settings.max_generations`` generations per connection.
+    Resource handling: an httpx client for media URLs exists only when the
+    media policy allows URLs, for the life of the server.
+    """
+    settings = settings or WsSettings()
+    if settings.media.policy.url_prefixes:
+        async with open_media_fetcher(settings.media) as fetcher:
+            await _serve(
+                WsServer(app, settings, fetcher=fetcher), host, port, handler_nursery, task_status
+            )
+    await _serve(WsServer(app, settings), host, port, handler_nursery, task_status)
+
+
+async def _serve(
+    server: WsServer,
+    host: str | None,
+    port: int,
+    handler_nursery: trio.Nursery | None,
+    task_status: trio.TaskStatus[WsServer],
+) -> NoReturn:
+    settings = server.settings
+    async with trio.open_nursery() as nursery:
+        server.listener = await nursery.start(
+            partial(
+                serve_websocket,
+                server.handle_request,
+                host,
+                port,
+                None,
+                handler_nursery=handler_nursery,
+                message_queue_size=settings.incoming_buffer,
+                max_message_size=settings.max_message_bytes,
+                connect_timeout=settings.handshake_timeout_s,
+                disconnect_timeout=settings.close_timeout_s,
+            )
+        )
+        task_status.started(server)
+        await trio.sleep_forever()
+    raise AssertionError("serve_websocket returned")
+
+
+class WsServer:
+    """Serves WebSocket connections for one app; :meth:`handle_request` per handshake.
+
+    Args:
+        app: what generations run against.
+        settings: limits, timeouts and keys.
+        fetcher: loads allowed media URLs (None: URL media are refused).
+    """
+
+    def __init__(
+        self, app: WsApp, settings: WsSettings, *, fetcher: MediaFetcher | None = None
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.fetcher = fetcher
+        self.listener: WebSocketServer | None = None
+        self.connections: set[WsConnection] = set()
+        self.accepted_total = 0
+        self.rejected_total = 0
+        self._api_keys = tuple(key.encode() for key in settings.api_keys)
+
+    def __repr__(self) -> str:
+        port = self.port if self.listener else None
+        return f"<WsServer port={port} connections={len(self.connections)}>"
+
+    @property
+    def port(self) -> int:
+        """The listening port (the kernel's choice when started with port 0)."""
+        if self.listener is None:
+            raise RuntimeError("the server is not listening yet")
+        return int(self.listener.port)
+
+    def statistics(self) -> WsServerStatistics:
+        return WsServerStatistics(
+            accepted_total=self.accepted_total,
+            rejected_total=self.rejected_total,
+            connections=tuple(connection.statistics() for connection in self.connections),
+        )
+
+    def authorized(self, request: WebSocketRequest) -> bool:
+        """Whether the handshake carries an accepted key (constant-time comparison)."""
+        if not self._api_keys:
+            return True
+        presented = _presented_key(request)
+        matched = False
+        for key in self._api_keys:
+            matched |= hmac.compare_digest(presented, key)
+        return matched and bool(presented)
+
+    async def handle_request(self, request: WebSocketRequest) -> None:
+        """Check one handshake, then serve the connection until it closes.
+
+        This is the per-connection error boundary, as in the HTTP front end:
+        an unexpected exception (a bug) is logged with its traceback and closes
+        this connection only (code 1011); it never reaches the accept loop.
+
+        Cancellation: cancels the connection's generations (their workers are
+        told to abort); trio-websocket then closes the socket (bounded by
+        ``close_timeout_s``).
+        """
+        refusal = self._refusal(request)
+        if refusal is not None:
+            self.rejected_total += 1
+            status, exc = refusal
+            with trio.move_on_after(self.settings.handshake_timeout_s):
+                await request.reject(
+                    status,
+                    extra_headers=[(b"content-type", b"application/json")],
+                    body=_dumps({"error": error_payload(exc)}).encode(),
+                )
+            return
+        with trio.move_on_after(self.settings.handshake_timeout_s) as accepting:
+            ws = await request.accept()
+        if accepting.cancelled_caught:
+            return
+        self.accepted_total += 1
+        connection = WsConnection(self, ws)
+        self.connections.add(connection)
+        try:
+            reason = await connection.serve()
+        except Exception:
+            logger.exception("%r: unexpected error; closing the connection", connection)
+            reason = "internal error"
+        finally:
+            self.connections.discard(connection)
+        with trio.move_on_after(self.settings.close_timeout_s):
+            await ws.aclose(1011 if reason == "internal error" else 1000, reason)
+
+    def _refusal(self, request: WebSocketRequest) -> tuple[int, Exception] | None:
+        if urlsplit(request.path).path != self.settings.path:
+            return 404, HttpError(
+                404,
+                f"no WebSocket endpoint at {request.path}",
+                type="not_found_error",
+                code="not_found",
+            )
+        if not self.authorized(request):
+            return 401, Unauthorized("missing or invalid API key")
+        return None
+
+
+def _presented_key(request: WebSocketRequest) -> bytes:
+    for name, value in request.headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else b""
+    keys = parse_qs(urlsplit(request.path).query).get("api_key")
+    return keys[0].encode() if keys else b""
+
+
+@dataclass(slots=True)
+class _Live:
+    """A running generation: its scope, for ``cancel``."""
+
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+
+class WsConnection:
+    """One accepted WebSocket: its reader, writer and generations.
+
+    Args:
+        server: the server (app, settings, fetcher).
+        ws: the accepted connection.
+    """
+
+    _ids = 0
+
+    def __init__(self, server: WsServer, ws: WebSocketConnection) -> None:
+        WsConnection._ids += 1
+        self.number = WsConnection._ids
+        self._server = server
+        self._settings = server.settings
+        self._ws = ws
+        self._live: dict[str, _Live] = {}
+        self._idle = trio.CancelScope()
+        self._outgoing: trio.MemorySendChannel[str] | None = None
+        self._receive_side: trio.MemoryReceiveChannel[str] | None = None
+        self._nursery: trio.Nursery | None = None
+        self.messages_received = 0
+        self.messages_sent = 0
+        self.deltas_merged = 0
+
+    def __repr__(self) -> str:
+        return f"<WsConnection #{self.number} peer={self._ws.remote} live={len(self._live)}>"
+
+    def statistics(self) -> WsConnectionStatistics:
+        channel = self._receive_side.statistics() if self._receive_side else None
+        return WsConnectionStatistics(
+            generations=len(self._live),
+            messages_received=self.messages_received,
+            messages_sent=self.messages_sent,
+            deltas_merged=self.deltas_merged,
+            outgoing_buffered=channel.current_buffer_used if channel else 0,
+            outgoing_peak=channel.peak_buffer_used if channel else 0,
+        )
+
+    async def serve(self) -> str:
+        """Serve until the client closes or idles out; return why it ended.
+
+        Cancellation: leaving (for any reason) cancels every generation of the
+        connection and the writer.
+        Backpressure: the writer channel holds ``outgoing_buffer`` messages.
+        """
+        send, receive = trio.open_memory_channel[str](self._settings.outgoing_buffer)
+        self._receive_side = receive
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._write, receive, name=f"ws-writer:{self.number}")
+            with send:
+                self._outgoing = send
+                reason = await self._read()
+            nursery.cancel_scope.cancel(reason=f"connection ended: {reason}")
+        return reason
+
+    # -- reading
+
+    async def _read(self) -> str:
+        while True:
+            try:
+                data = await self._next_message()
+            except ConnectionClosed:
+                return "client closed"
+            if data is None:
+                return "idle timeout"
+            self.messages_received += 1
+            await self._dispatch(data)
+
+    async def _next_message(self) -> str | bytes | None:
+        """The next client message; None once the connection was idle too long."""
+        with trio.CancelScope() as self._idle:
+            self._refresh_idle()
+            return await self._ws.get_message()
+        return None
+
+    def _refresh_idle(self) -> None:
+        """No deadline while generations run; else ``idle_timeout_s`` from now."""
+        idle = self._settings.idle_timeout_s
+        self._idle.deadline = math.inf if self._live else trio.current_time() + idle
+
+    async def _dispatch(self, data: str | bytes) -> None:
+        assert self._outgoing is not None
+        try:
+            message = parse_client_message(data)
+        except WsMessageError as exc:
+            await self._outgoing.send(error_message(exc.client_id, exc))
+            return
+        if isinstance(message, PingMessage):
+            await self._outgoing.send(PONG)
+        elif isinstance(message, CancelMessage):
+            live = self._live.get(message.id)
+            if live is not None:  # not live: it just ended, its terminal message is on its way
+                live.scope.cancel(reason="cancelled by the client")
+        else:
+            refusal = self._start(message)
+            if refusal is not None:
+                await self._outgoing.send(error_message(message.id, refusal))
+
+    def _start(self, message: GenerateMessage) -> Exception | None:
+        """Register ``message.id`` and start its task, or say why not.
+
+        Synchronous, so two ``generate`` messages can never race for one id or
+        for the last slot.
+        """
+        assert self._nursery is not None
+        assert self._outgoing is not None
+        if message.id in self._live:
+            return WsMessageError(
+                f"id {message.id!r} is already in use by a running generation",
+                code="duplicate_id",
+                param="id",
+            )
+        limit = self._settings.max_generations
+        if len(self._live) >= limit:
+            return Overloaded(f"at most {limit} concurrent generations per connection")
+        live = self._live[message.id] = _Live()
+        self._refresh_idle()
+        self._nursery.start_soon(
+            self._generation,
+            message,
+            live,
+            self._outgoing.clone(),
+            name=f"ws-generation:{self.number}:{message.id}",
+        )
+        return None
+
+    # -- generations
+
+    async def _generation(
+        self, message: GenerateMessage, live: _Live, outgoing: trio.MemorySendChannel[str]
+    ) -> None:
+        """Run one generation; send exactly one terminal message for it."""
+        with outgoing:
+            try:
+                with live.scope:
+                    await outgoing.send(await self._outcome(message, outgoing))
+                if live.scope.cancelled_caught:
+                    await outgoing.send(cancelled_message(message.id))
+            finally:
+                del self._live[message.id]
+                self._refresh_idle()
+
+    async def _outcome(
+        self, message: GenerateMessage, outgoing: trio.MemorySendChannel[str]
+    ) -> str:
+        """Stream ``message``'s deltas; return its terminal message."""
+        try:
+            parsed = self._parse(message)
+            if parsed.pending:
+                parsed = await resolve_media(
+                    parsed, limits=self._settings.media, fetcher=self._server.fetcher
+                )
+        except (EpdError, HttpError) as exc:
+            return error_message(message.id, exc)
+        # Nothing may raise inside this block on purpose: the router's nursery
+        # would wrap it in an exception group.
+        async with self._server.app.generate(parsed.request) as events:
+            final = await self._stream(message.id, events, outgoing, logprobs=parsed.logprobs)
+        if isinstance(final, DoneEvent):
+            return done_message(message.id, final, request_id=parsed.request_id)
+        if final is None:
+            return error_message(
+                message.id, ActorCrashed("the request ended without a final event")
+            )
+        return error_message(message.id, final.error)
+
+    def _parse(self, message: GenerateMessage) -> ParsedRequest:
+        from ..request import new_request_id
+
+        parse = parse_chat_completion if message.kind == "chat" else parse_completion
+        parsed = parse(message.request, request_id=new_request_id(), limits=self._settings.media)
+        models = self._settings.models
+        if models and parsed.model not in models:
+            raise HttpError(
+                404, f"model {parsed.model!r} does not exist", code="model_not_found", param="model"
+            )
+        return parsed
+
+    async def _stream(
+        self,
+        client_id: str,
+        events: trio.MemoryReceiveChannel[GenerationEvent],
+        outgoing: trio.MemorySendChannel[str],
+        *,
+        logprobs: bool,
+    ) -> DoneEvent | ErrorEvent | None:
+        """Forward deltas (merging those already queued); return the final event."""
+        async for event in events:
+            if isinstance(event, DoneEvent | ErrorEvent):
+                return event
+            if not isinstance(event, DeltaEvent):
+                continue  # UsageEvent: the done message carries the usage
+            deltas, final = _drain(event, events)
+            self.deltas_merged += len(deltas) - 1
+            if any(delta.text or delta.token_ids for delta in deltas):
+                await outgoing.send(delta_message(client_id, deltas, logprobs=logprobs))
+            if final is not None:
+                return final
+        return None
+
+    # -- writing
+
+    async def _write(self, receive: trio.MemoryReceiveChannel[str]) -> None:
+        """Send every queued message, in order; a closed socket ends the connection."""
+        assert self._nursery is not None
+        with receive:
+            try:
+                async for text in receive:
+                    await self._ws.send_message(text)
+                    self.messages_sent += 1
+            except ConnectionClosed:
+                logger.debug("%r: closed while writing", self)
+                self._nursery.cancel_scope.cancel(reason="connection closed while writing")
+
+
+def _drain(
+    first: DeltaEvent, events: trio.MemoryReceiveChannel[GenerationEvent]
+) -> tuple[list[DeltaEvent], DoneEvent | ErrorEvent | None]:
+    """``first`` plus every delta already queued behind it, and a final event if one came."""
+    deltas = [first]
+    while True:
+        try:
+            event = events.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return deltas, None
+        if isinstance(event, DeltaEvent):
+            deltas.append(event)
+        elif isinstance(event, DoneEvent | ErrorEvent):
+            return deltas, event
