@@ -7,9 +7,10 @@ asks for a :class:`Lease`: the pool filters the members that can take work now
 below ``max_in_flight_per_worker``, not excluded by the caller), lets the
 pool's routing policy pick one (a pure, synchronous decision), and counts the
 job against that member until the lease is released; the lease carries the
-job's verdict to the member's circuit breaker (``health.py``).  When every usable member is at its limit the caller waits for a
-slot (bounded by the request's deadline, which the caller owns); when no member
-is usable at all the pool refuses at once with ``NoHealthyWorker``.
+job's verdict to the member's circuit breaker (``health.py``).  When every
+usable member is at its limit the caller waits for a slot (bounded by the
+request's deadline, which the caller owns); when no member is usable at all
+the pool refuses at once with ``NoHealthyWorker``.
 
 Membership changes at run time (``add``/``remove``/``drain``) take effect for
 the next lease; leases already granted finish normally.
