@@ -100,6 +100,20 @@ class ActorLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    """Admission control.
+
+    Attributes:
+        max_requests_in_flight: requests the router serves at once; more are
+            refused at once with ``Overloaded`` (HTTP 429 + ``Retry-After``).
+        retry_after_s: the ``Retry-After`` a refusal suggests.
+    """
+
+    max_requests_in_flight: int = 4096
+    retry_after_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     """Everything the router needs to start.
 
@@ -112,6 +126,7 @@ class RouterConfig:
         retries: when failed E, P (and not yet streaming D/PD) attempts move to
             another worker.
         health: the per-worker circuit breaker thresholds.
+        admission: the global in-flight limit.
     """
 
     pools: tuple[PoolConfig, ...]
@@ -121,6 +136,7 @@ class RouterConfig:
     actors: ActorLimits = field(default_factory=ActorLimits)
     retries: RetryPolicy = field(default_factory=RetryPolicy)
     health: HealthPolicy = field(default_factory=HealthPolicy)
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -182,4 +198,7 @@ def validate(config: RouterConfig) -> None:
     if actors.max_jobs < 1:
         raise ConfigError("actors.max_jobs must be >= 1")
     _positive("actors.restart_backoff_start_s", actors.restart_backoff_start_s)
+    if config.admission.max_requests_in_flight < 1:
+        raise ConfigError("admission.max_requests_in_flight must be >= 1")
+    _positive("admission.retry_after_s", config.admission.retry_after_s)
     _positive("actors.restart_backoff_max_s", actors.restart_backoff_max_s)

@@ -20,7 +20,14 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ActorLimits, Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
+from .config import (
+    ActorLimits,
+    AdmissionLimits,
+    Deadlines,
+    PoolConfig,
+    RouterConfig,
+    WorkerEndpoint,
+)
 from .errors import ConfigError
 from .health import HealthPolicy
 from .retry import RetryPolicy
@@ -209,6 +216,17 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     actors = _actors(top.table("actors"))
     retries = _retries(top.table("retries"))
     health = _health(top.table("health"))
+    admission_table = top.table("admission")
+    defaults = AdmissionLimits()
+    admission = AdmissionLimits(
+        max_requests_in_flight=admission_table.integer(
+            "max_requests_in_flight", defaults.max_requests_in_flight, minimum=1
+        ),
+        retry_after_s=admission_table.number(
+            "retry_after_s", defaults.retry_after_s, minimum=0.001
+        ),
+    )
+    admission_table.done()
     pools_table = top.table("pools")
     pools = tuple(_pool(stage, table) for stage, table in pools_table.remaining_tables())
     top.done()
@@ -220,6 +238,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
         actors=actors,
         retries=retries,
         health=health,
+        admission=admission,
     )
     return FileConfig(router, server)
 

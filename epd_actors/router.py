@@ -203,6 +203,7 @@ async def open_router(
         limits=config.actors,
         observer=metrics,
         retry=config.retries,
+        admission=config.admission,
     )
     async with trio.open_nursery() as nursery:
         router = Router(config, supervisor, pools, nursery, factory, metrics)

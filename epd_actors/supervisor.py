@@ -37,13 +37,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from ._groups import single_exception
 from .actors import STAGE_ACTORS, BaseActor, StageContext, StageFailure, StageOutput
 from .actors.registry import actor_class
-from .config import ActorLimits, Deadlines
+from .config import ActorLimits, AdmissionLimits, Deadlines
 from .errors import (
     ActorCrashed,
     ConfigError,
     EpdError,
+    Overloaded,
     RequestCancelled,
     StageTimeout,
 )
@@ -79,6 +81,7 @@ class SupervisorStatistics:
     requests_total: int
     requests_failed: int
     requests_cancelled: int
+    requests_refused: int
     actor_restarts: dict[str, int]
     compensations_run: int
 
@@ -142,6 +145,7 @@ class Supervisor:
         observer: told about every finished request (metrics).
         retry: the actors' retry policy.
         rng: randomness for retry jitter (tests pass a seeded one).
+        admission: the global in-flight limit.
     """
 
     def __init__(
@@ -154,8 +158,11 @@ class Supervisor:
         observer: RequestObserver | None = None,
         retry: RetryPolicy | None = None,
         rng: random.Random | None = None,
+        admission: AdmissionLimits | None = None,
     ) -> None:
         self.observer = observer
+        self.admission = admission or AdmissionLimits()
+        self.requests_refused = 0
         self.deadlines = deadlines or Deadlines()
         self.limits = limits or ActorLimits()
         registry = STAGE_ACTORS if registry is None else registry
@@ -196,6 +203,7 @@ class Supervisor:
             requests_total=self.requests_total,
             requests_failed=self.requests_failed,
             requests_cancelled=self.requests_cancelled,
+            requests_refused=self.requests_refused,
             actor_restarts=dict(self.actor_restarts),
             compensations_run=self.compensations_run,
         )
@@ -245,25 +253,49 @@ class Supervisor:
         Cancellation: leaving the block early cancels the request; its workers
         are told to abort and compensations run (shielded, bounded).
         Backpressure: the pipeline waits while ``REQUEST_EVENT_BUFFER`` events
-        are unread.
+        are unread.  Admission: past ``max_requests_in_flight`` the only event
+        is an ``ErrorEvent`` carrying ``Overloaded`` (nothing is queued).
         """
         send, receive = trio.open_memory_channel[GenerationEvent](REQUEST_EVENT_BUFFER)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                self._run_request, request, send, name=f"request:{request.request_id}"
-            )
-            try:
-                with receive:
-                    yield receive
-            finally:
-                nursery.cancel_scope.cancel(reason="caller left the request")
+        refusal = self._admission_refusal(request)
+        if refusal is not None:
+            send.send_nowait(refusal)
+            send.close()
+            with receive:
+                yield receive
+            return
+        self.requests_total += 1
+        self.requests_in_flight += 1
+        try:
+            with single_exception():
+                async with trio.open_nursery() as nursery:
+                    name = f"request:{request.request_id}"
+                    nursery.start_soon(self._run_request, request, send, name=name)
+                    try:
+                        with receive:
+                            yield receive
+                    finally:
+                        nursery.cancel_scope.cancel(reason="caller left the request")
+        finally:
+            self.requests_in_flight -= 1
+
+    def _admission_refusal(self, request: GenerationRequest) -> ErrorEvent | None:
+        """An immediate ``Overloaded`` when the router is at its in-flight limit."""
+        limit = self.admission.max_requests_in_flight
+        if self.requests_in_flight < limit:
+            return None
+        self.requests_refused += 1
+        error = Overloaded(
+            f"the router is serving its limit of {limit} requests",
+            retry_after=self.admission.retry_after_s,
+        )
+        logger.info("request %s refused: %s", request.request_id, error)
+        return ErrorEvent(error, RequestTimings(0.0, {}, None, 0.0, {}))
 
     async def _run_request(
         self, request: GenerationRequest, events: trio.MemorySendChannel[GenerationEvent]
     ) -> None:
         record = _RequestRecord(request, trio.current_time())
-        self.requests_total += 1
-        self.requests_in_flight += 1
         completed = False
         try:
             async with events:
@@ -280,7 +312,6 @@ class Supervisor:
                 except trio.BrokenResourceError:
                     logger.debug("request %s: caller left before its result", request.request_id)
         finally:
-            self.requests_in_flight -= 1
             if not record.lifecycle.finished:
                 record.lifecycle.advance(Phase.CANCELLED)
                 self.requests_cancelled += 1

@@ -11,11 +11,12 @@ import trio.testing
 
 from epd_actors.actors import BaseActor, Job, StageOutput
 from epd_actors.actors.registry import STAGE_ACTORS, register_stage
-from epd_actors.config import ActorLimits, Deadlines
+from epd_actors.config import ActorLimits, AdmissionLimits, Deadlines
 from epd_actors.errors import (
     ActorCrashed,
     ConfigError,
     NoHealthyWorker,
+    Overloaded,
     RemoteWorkerError,
     StageTimeout,
     WorkerDisconnected,
@@ -539,3 +540,35 @@ async def test_when_every_worker_failed_the_last_error_is_reported() -> None:
     assert isinstance(failed, ErrorEvent)
     assert isinstance(failed.error, RemoteWorkerError)
     assert fleet.total("prefill_requests") == 2
+
+
+# ---------------------------------------------------------------- admission
+
+
+async def test_a_burst_past_the_in_flight_limit_is_refused_at_once(autojump_clock: object) -> None:
+    fleet = build_sim_fleet({"prefill": 1, "decode": 1}, config=TIMED)
+    supervisor = Supervisor(fleet.pools, admission=AdmissionLimits(max_requests_in_flight=4))
+    outcomes: dict[str, tuple[GenerationEvent, float]] = {}
+
+    async def one(n: int) -> None:
+        start = trio.current_time()
+        events = await collect(supervisor, text(request_id=f"b{n}"))
+        outcomes[f"b{n}"] = (final(events), trio.current_time() - start)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        async with trio.open_nursery() as burst:
+            for n in range(20):
+                burst.start_soon(one, n)
+        nursery.cancel_scope.cancel()
+    refused = [(e, t) for e, t in outcomes.values() if isinstance(e, ErrorEvent)]
+    done = [e for e, _ in outcomes.values() if isinstance(e, DoneEvent)]
+    assert len(done) == 4
+    assert len(refused) == 16
+    for event, elapsed in refused:
+        assert isinstance(event, ErrorEvent)
+        assert isinstance(event.error, Overloaded)
+        assert event.error.retry_after == 1.0
+        assert elapsed == 0
+    assert supervisor.statistics().requests_refused == 16
+    assert_no_leaks(fleet)

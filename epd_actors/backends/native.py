@@ -54,10 +54,8 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 import random
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -65,7 +63,6 @@ import trio
 
 from .. import addresses
 from ..errors import (
-    ConfigError,
     ConnectionLost,
     HandshakeRejected,
     LocalProtocolError,
@@ -73,11 +70,9 @@ from ..errors import (
     RemoteWorkerError,
     StreamOverrun,
     WorkerDisconnected,
-    WorkerError,
 )
 from ..limits import CLEANUP_TIMEOUT_S
 from ..protocol import (
-    DEFAULT_MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Abort,
     Aborted,
@@ -100,121 +95,32 @@ from ..protocol import (
 )
 from ..transport import FramedStream
 from .base import BackendStatus
+from .native_requests import (
+    _RELEASE_REPLIES,
+    _STAGE_REPLIES,
+    _STREAM_REPLIES,
+    NativeDeltaStream,
+    _Connection,
+    _Outgoing,
+    _Pending,
+    _Reply,
+)
+from .native_settings import DEFAULT_SETTINGS, NativeBackendStatistics, NativeSettings
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
 
     from ..addresses import Address
 
+__all__ = [
+    "DEFAULT_SETTINGS",
+    "NativeBackend",
+    "NativeBackendStatistics",
+    "NativeDeltaStream",
+    "NativeSettings",
+]
+
 logger = logging.getLogger(__name__)
-
-_Reply = StageResult | Delta | ErrorReply | Released
-_Outgoing = EncodeRequest | PrefillRequest | GenerateRequest | Release
-
-# What each kind of request may be answered with (anything else closes the connection).
-_STAGE_REPLIES = (StageResult, ErrorReply)
-_STREAM_REPLIES = (Delta, ErrorReply)
-_RELEASE_REPLIES = (Released, ErrorReply)
-
-_DURATIONS = (
-    "connect_timeout_s",
-    "handshake_timeout_s",
-    "heartbeat_interval_s",
-    "heartbeat_timeout_s",
-    "reconnect_backoff_start_s",
-    "reconnect_backoff_max_s",
-    "abort_timeout_s",
-    "write_timeout_s",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class NativeSettings:
-    """Deadlines and capacities of one native worker connection.
-
-    Attributes:
-        connect_timeout_s: how long one dial may take (seconds).
-        handshake_timeout_s: how long the worker has to answer ``Hello`` (seconds).
-        heartbeat_interval_s: time between two ``Ping``s (seconds).
-        heartbeat_timeout_s: no ``Pong`` for this long and the connection is
-            declared dead (seconds); must exceed the interval.
-        reconnect_backoff_start_s: the wait before the first reconnect
-            (seconds); it doubles after each failed attempt.
-        reconnect_backoff_max_s: the longest wait, also used after a rejected
-            handshake (seconds).
-        reconnect_jitter: the random share of each wait: a wait of ``b`` is
-            ``b * (1 - jitter * U[0, 1))``; 0 disables jitter.
-        request_buffer: replies one request may have waiting for its reader
-            (messages).  The worker merges queued tokens into one frame, so a
-            consumer this far behind is stuck or broken, not slow: it fails with
-            ``StreamOverrun`` rather than stall the connection's only reader.
-        abort_timeout_s: how long cleanup waits for ``Aborted`` (seconds).
-        write_timeout_s: how long writing one frame may take before the
-            connection is given up as stuck (seconds).
-        max_frame_bytes: frame limit in both directions (bytes).
-    """
-
-    connect_timeout_s: float = 5.0
-    handshake_timeout_s: float = 5.0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 3.0
-    reconnect_backoff_start_s: float = 0.1
-    reconnect_backoff_max_s: float = 5.0
-    reconnect_jitter: float = 0.5
-    request_buffer: int = 256
-    abort_timeout_s: float = 2.0
-    write_timeout_s: float = 10.0
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-
-    def __post_init__(self) -> None:
-        for name in _DURATIONS:
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.reconnect_backoff_max_s < self.reconnect_backoff_start_s:
-            raise ConfigError("reconnect_backoff_max_s must be >= reconnect_backoff_start_s")
-        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ConfigError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
-        if not 0.0 <= self.reconnect_jitter <= 1.0:
-            raise ConfigError(f"reconnect_jitter must be in [0, 1], got {self.reconnect_jitter!r}")
-        for name in ("request_buffer", "max_frame_bytes"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-DEFAULT_SETTINGS = NativeSettings()
-
-
-@dataclass(frozen=True, slots=True)
-class NativeBackendStatistics:
-    """A snapshot of one backend's counters.
-
-    Attributes:
-        in_flight: registered requests (stage, stream and release).
-        connects: handshakes that succeeded.
-        connect_failures: attempts that failed before a ``Welcome`` (not rejections).
-        handshake_rejections: attempts the worker refused.
-        disconnects: welcomed connections that ended.
-        overruns: requests failed with ``StreamOverrun``.
-        aborts_sent: ``Abort`` frames written (or being written).
-        last_rtt_s: round trip of the latest answered ``Ping``.
-        role, model: from the latest ``Welcome``.
-    """
-
-    worker_id: str
-    connected: bool
-    draining: bool
-    in_flight: int
-    connects: int
-    connect_failures: int
-    handshake_rejections: int
-    disconnects: int
-    overruns: int
-    aborts_sent: int
-    last_rtt_s: float | None
-    role: str | None
-    model: str | None
 
 
 class _Outcome(enum.Enum):
@@ -223,156 +129,6 @@ class _Outcome(enum.Enum):
     WELCOMED = "welcomed"
     FAILED = "failed"
     REJECTED = "rejected"
-
-
-class _Connection:
-    """One welcomed connection: its stream, its task scope and its heartbeat state."""
-
-    __slots__ = ("framed", "nonce", "nursery", "pings", "reason", "scope", "watchdog", "welcome")
-
-    def __init__(self, framed: FramedStream, welcome: Welcome) -> None:
-        self.framed = framed
-        self.welcome = welcome
-        self.scope = trio.CancelScope()
-        self.watchdog = trio.CancelScope()
-        self.nursery: trio.Nursery | None = None
-        self.nonce = 0
-        self.pings: dict[int, float] = {}  # nonce -> send time, of unanswered pings
-        self.reason: str | None = None
-
-    def close(self, reason: str) -> None:
-        """End the connection (its tasks are cancelled); the first reason sticks."""
-        if self.reason is None:
-            self.reason = reason
-        self.scope.cancel(reason=reason)
-
-
-class _Pending:
-    """One registered request: its bounded reply channel and how far it got.
-
-    ``accepting``: the reader may still deliver replies.  ``failure``: set once;
-    the next receive raises it.  ``settled``: the worker holds nothing more for
-    the request (its terminal reply or ``Aborted`` arrived, or the connection
-    is gone), so cleanup need not abort it.
-    """
-
-    __slots__ = (
-        "abort_sent",
-        "abortable",
-        "accepting",
-        "connection",
-        "expects",
-        "failure",
-        "receive_channel",
-        "request_id",
-        "send_channel",
-        "sent",
-        "settled",
-        "stage",
-        "worker_id",
-    )
-
-    def __init__(
-        self,
-        message: _Outgoing,
-        connection: _Connection,
-        *,
-        worker_id: str,
-        expects: tuple[type[_Reply], ...],
-        capacity: int,
-    ) -> None:
-        self.request_id = message.request_id
-        self.stage = message.TAG
-        self.worker_id = worker_id
-        self.connection = connection
-        self.expects = expects
-        self.abortable = not isinstance(message, Release)
-        self.send_channel, self.receive_channel = trio.open_memory_channel[_Reply](capacity)
-        self.accepting = True
-        self.failure: WorkerError | None = None
-        self.settled = trio.Event()
-        self.sent = False
-        self.abort_sent = False
-
-    def stop_accepting(self) -> None:
-        self.accepting = False
-        self.send_channel.close()
-
-    def settle(self) -> None:
-        self.stop_accepting()
-        self.settled.set()
-
-    def fail(self, failure: WorkerError) -> None:
-        if self.failure is None:
-            self.failure = failure
-        self.stop_accepting()
-
-    async def receive(self) -> _Reply:
-        """The next reply; an ``ErrorReply`` is raised as ``RemoteWorkerError``.
-
-        Raises:
-            trio.EndOfChannel: the terminal reply was already received.
-            RemoteWorkerError, WorkerDisconnected, StreamOverrun: the request failed.
-        """
-        if self.failure is not None:
-            raise self.failure
-        try:
-            reply = await self.receive_channel.receive()
-        except trio.EndOfChannel:
-            if self.failure is not None:
-                raise self.failure from None
-            raise
-        if isinstance(reply, ErrorReply):
-            raise RemoteWorkerError(
-                reply.code,
-                reply.message,
-                retryable=reply.retryable,
-                worker_id=self.worker_id,
-                stage=self.stage,
-                request_id=self.request_id,
-            )
-        return reply
-
-
-class NativeDeltaStream:
-    """The deltas of one generate request (a ``DeltaStream``); ``async for`` works too.
-
-    Valid only inside the ``open_stream`` context that made it.
-    """
-
-    __slots__ = ("_pending",)
-
-    def __init__(self, pending: _Pending) -> None:
-        self._pending = pending
-
-    def __repr__(self) -> str:
-        return f"<NativeDeltaStream {self._pending.request_id} on {self._pending.worker_id}>"
-
-    async def receive(self) -> Delta:
-        """The next delta.
-
-        Raises:
-            trio.EndOfChannel: the terminal delta was already returned.
-            RemoteWorkerError: the worker answered with an error.
-            WorkerDisconnected: the connection was lost.
-            StreamOverrun: this stream was read too slowly and was aborted.
-
-        Cancellation: safe; nothing is lost (the context's exit aborts the request).
-        Backpressure: none towards the worker; a reader that falls
-        ``request_buffer`` replies behind gets ``StreamOverrun``.
-        """
-        reply = await self._pending.receive()
-        assert isinstance(reply, Delta)  # the reader checked the reply kind
-        return reply
-
-    def __aiter__(self) -> NativeDeltaStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        try:
-            return await self.receive()
-        except trio.EndOfChannel:
-            raise StopAsyncIteration from None
 
 
 class NativeBackend:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Final, NoReturn, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 import trio
-from trio_websocket import ConnectionClosed, serve_websocket
+from trio_websocket import ConnectionClosed, Endpoint, serve_websocket
 
 from ..errors import ActorCrashed, ConfigError, EpdError, Overloaded, Unauthorized
 from ..request import DeltaEvent, DoneEvent, ErrorEvent
@@ -490,6 +490,14 @@ def _presented_key(request: WebSocketRequest) -> bytes:
     return keys[0].encode() if keys else b""
 
 
+def _peer_name(ws: WebSocketConnection) -> str:
+    try:
+        remote = ws.remote
+    except OSError:  # already closed
+        return "?"
+    return f"{remote.address}:{remote.port}" if isinstance(remote, Endpoint) else remote
+
+
 @dataclass(slots=True)
 class _Live:
     """A running generation: its scope, for ``cancel``."""
@@ -513,6 +521,7 @@ class WsConnection:
         self._server = server
         self._settings = server.settings
         self._ws = ws
+        self._peer = _peer_name(ws)
         self._live: dict[str, _Live] = {}
         self._idle = trio.CancelScope()
         self._outgoing: trio.MemorySendChannel[str] | None = None
@@ -523,7 +532,7 @@ class WsConnection:
         self.deltas_merged = 0
 
     def __repr__(self) -> str:
-        return f"<WsConnection #{self.number} peer={self._ws.remote} live={len(self._live)}>"
+        return f"<WsConnection #{self.number} peer={self._peer} live={len(self._live)}>"
 
     def statistics(self) -> WsConnectionStatistics:
         channel = self._receive_side.statistics() if self._receive_side else None
@@ -545,6 +554,7 @@ class WsConnection:
         """
         send, receive = trio.open_memory_channel[str](self._settings.outgoing_buffer)
         self._receive_side = receive
+        reason = "client closed"  # unless the reader returns: the writer saw the socket close
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._write, receive, name=f"ws-writer:{self.number}")

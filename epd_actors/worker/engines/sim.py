@@ -28,26 +28,25 @@ Output is deterministic: token ``i`` is a stable hash of (prompt digest, seed,
 same text through E+P+D and through PD.  Latencies are ``trio.sleep`` calls
 (virtual under ``MockClock``); faults come from a ``random.Random`` seeded by
 ``fault_seed`` and the worker id.  Every knob, with its default and unit, is a
-:class:`SimConfig` field; docs/simulator.md is the narrative.
+:class:`SimConfig` field (:mod:`.sim_config`); the text model lives in
+:mod:`.sim_text`; docs/simulator.md is the narrative.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import logging
 import math
 import random
 import secrets
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, NoReturn, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import trio
 
-from ...errors import ConfigError, EngineCrashed, EngineError
+from ...errors import EngineCrashed, EngineError
 from ...protocol import (
     Delta,
     EncodeRequest,
@@ -57,216 +56,36 @@ from ...protocol import (
     PrefillRequest,
     Prompt,
     Role,
-    SamplingParams,
     StageResult,
     Usage,
 )
+from .sim_config import Knob, KnobSpec, SimConfig, sim_knobs
 from .sim_store import SAFE_KEY, EncoderCacheEntry, KVEntry, is_safe_key
+from .sim_text import VOCAB_SIZE, _StopText, _TokenSource, count_prompt_tokens, prompt_digest
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from ..engine import DeltaSink, Engine
     from .sim_store import EncoderCacheStore, KVStore
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "KV_HANDLE_KEY",
+    "VOCAB_SIZE",
+    "Knob",
+    "KnobSpec",
+    "SimConfig",
+    "SimCounters",
+    "SimEngine",
+    "count_prompt_tokens",
+    "prompt_digest",
+    "sim_knobs",
+]
 
-_T = TypeVar("_T")
+logger = logging.getLogger(__name__)
 
 KV_HANDLE_KEY: Final = "sim_kv_handle"
 """The ``kv_transfer_params`` key naming a simulated KV handle."""
-
-VOCAB_SIZE: Final = 32_000
-"""Token ids are in ``range(VOCAB_SIZE)``."""
-
-_WORDS: Final = (
-    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog",
-    "a", "small", "cat", "sees", "bright", "red", "ball", "near",
-    "river", "stone", "tree", "under", "blue", "sky", "and", "green",
-    "field", "with", "old", "house", "on", "hill", "where", "wind",
-    "sings", "soft", "song", "of", "rain", "light", "falls", "in",
-    "quiet", "night", "while", "stars", "glow", "above", "calm", "sea",
-    "ship", "sails", "far", "away", "to", "golden", "shore", "at",
-    "dawn", "birds", "wake", "people", "walk", "slowly", "home", "again",
-)  # fmt: skip
-
-_MASK64: Final = (1 << 64) - 1
-_GAMMA: Final = 0x9E3779B97F4A7C15
-
-
-# ---------------------------------------------------------------- configuration
-
-Check = Callable[[object], "str | None"]
-
-
-@dataclass(frozen=True, slots=True)
-class KnobSpec:
-    """How one :class:`SimConfig` field is documented, parsed from text and checked.
-
-    ``parse`` is None for a boolean flag.  ``check`` returns a problem or None.
-    """
-
-    doc: str
-    parse: Callable[[str], object] | None
-    check: Check
-    metavar: str = ""
-
-
-def _knob(default: _T, spec: KnobSpec) -> _T:
-    value: _T = field(default=default, metadata={"knob": spec})
-    return value
-
-
-def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def _seconds(*, inf_ok: bool = False, positive: bool = False) -> Check:
-    def check(value: object) -> str | None:
-        number = _number(value)
-        if number is None or math.isnan(number):
-            return f"must be a number of seconds (got {value!r})"
-        if number < 0 or (positive and number == 0):
-            return f"must be {'>' if positive else '>='} 0 (got {value!r})"
-        if math.isinf(number) and not inf_ok:
-            return "must be finite"
-        return None
-
-    return check
-
-
-def _rate(value: object) -> str | None:
-    number = _number(value)
-    if number is None or not 0.0 <= number <= 1.0:
-        return f"must be a probability in [0, 1] (got {value!r})"
-    return None
-
-
-def _count(minimum: int, *, optional: bool = False) -> Check:
-    def check(value: object) -> str | None:
-        if value is None and optional:
-            return None
-        if type(value) is not int or value < minimum:
-            return f"must be an integer >= {minimum} (got {value!r})"
-        return None
-
-    return check
-
-
-def _parse_optional_int(text: str) -> int | None:
-    return None if text.lower() in {"off", "none"} else int(text)
-
-
-def _one_of(*choices: str) -> Check:
-    def check(value: object) -> str | None:
-        return None if value in choices else f"must be one of {', '.join(choices)}"
-
-    return check
-
-
-def _boolean(value: object) -> str | None:
-    return None if isinstance(value, bool) else f"must be true or false (got {value!r})"
-
-
-def _secs(doc: str, **kw: bool) -> KnobSpec:
-    return KnobSpec(doc, float, _seconds(**kw), "SECONDS")
-
-
-def _ints(doc: str, minimum: int) -> KnobSpec:
-    return KnobSpec(doc, int, _count(minimum), "N")
-
-
-def _ints_or_off(doc: str, minimum: int) -> KnobSpec:
-    return KnobSpec(doc, _parse_optional_int, _count(minimum, optional=True), "N|off")
-
-
-def _probability(doc: str) -> KnobSpec:
-    return KnobSpec(doc, float, _rate, "P")
-
-
-def _any_int(value: object) -> str | None:
-    return None if type(value) is int else f"must be an integer (got {value!r})"
-
-
-_EC_MODES: Final = ("strict", "recompute")
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    """Every simulator knob, with defaults that keep tests and demos fast but nonzero.
-
-    Each field's ``metadata["knob"]`` is a :class:`KnobSpec` whose ``doc`` gives
-    the meaning and unit; the CLI (``--sim-<field-name>``) and docs/simulator.md
-    follow the same list.  Invalid values raise ``ConfigError`` naming the field.
-    """
-
-    encode_item_s: float = _knob(0.005, _secs("encoder time per media item, seconds"))
-    encode_kib_s: float = _knob(0.00001, _secs("extra encoder time per KiB of media, seconds"))
-    prefill_token_s: float = _knob(0.00005, _secs("prefill time per prompt token, seconds"))
-    first_token_s: float = _knob(
-        0.002, _secs("from end of prefill (PD) or KV load (D) to token 1, seconds")
-    )
-    output_token_s: float = _knob(
-        0.001, _secs("time per output token after the first, seconds; 0 = unpaced")
-    )
-    tokens_per_delta: int = _knob(16, _ints("tokens per delta when output_token_s is 0", 1))
-    media_tokens_per_item: int = _knob(256, _ints("prompt tokens each media item adds", 0))
-    ec_mode: str = _knob(
-        "strict",
-        KnobSpec(
-            "missing encoder-cache entry on P/PD: strict = refuse, recompute = encode it there",
-            str,
-            _one_of(*_EC_MODES),
-            "{" + ",".join(_EC_MODES) + "}",
-        ),
-    )
-    kv_ttl_s: float = _knob(
-        30.0, _secs("KV handle lifetime; unconsumed = leaked, seconds", inf_ok=True, positive=True)
-    )
-    verify_media_hash: bool = _knob(
-        False, KnobSpec("refuse media whose content_hash is not sha256(data)", None, _boolean)
-    )
-    encode_error_rate: float = _knob(0.0, _probability("chance an encode fails (retryable)"))
-    prefill_error_rate: float = _knob(0.0, _probability("chance a prefill fails (retryable)"))
-    generate_error_rate: float = _knob(
-        0.0, _probability("chance a generate fails before its first token (retryable)")
-    )
-    stall_s: float = _knob(
-        0.0, _secs("sleep before every stage request, seconds; inf = hang", inf_ok=True)
-    )
-    stall_after_tokens: int | None = _knob(
-        None, _ints_or_off("hang a stream forever after N tokens", 0)
-    )
-    crash_after_tokens: int | None = _knob(
-        None, _ints_or_off("crash the engine after N tokens of a stream", 0)
-    )
-    crash_on_request: int | None = _knob(
-        None, _ints_or_off("crash the engine when its Nth stage request arrives", 1)
-    )
-    fault_seed: int = _knob(
-        0, KnobSpec("seed of the fault RNG (mixed with the worker id)", int, _any_int, "N")
-    )
-
-    def __post_init__(self) -> None:
-        for knob in sim_knobs():
-            problem = knob.spec.check(getattr(self, knob.name))
-            if problem is not None:
-                raise ConfigError(f"simulator {knob.name}: {problem}")
-
-
-@dataclass(frozen=True, slots=True)
-class Knob:
-    """One :class:`SimConfig` field: its name, default and :class:`KnobSpec`."""
-
-    name: str
-    default: object
-    spec: KnobSpec
-
-
-@functools.cache
-def sim_knobs() -> tuple[Knob, ...]:
-    """Every :class:`SimConfig` knob in declaration order (for the CLI and docs)."""
-    return tuple(Knob(f.name, f.default, f.metadata["knob"]) for f in dataclasses.fields(SimConfig))
 
 
 # ---------------------------------------------------------------- statistics
@@ -340,105 +159,7 @@ class SimCounters:
     crashed: bool
 
 
-# ---------------------------------------------------------------- pure helpers
-
-
-def _mix64(x: int) -> int:
-    """The splitmix64 finalizer: a cheap, stable 64-bit hash (unlike the salted ``hash()``)."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def prompt_digest(prompt: Prompt, media: tuple[MediaItem, ...]) -> str:
-    """A stable hex digest of the prompt and its media (what a KV cache depends on).
-
-    Raises:
-        EngineError: ``invalid_request`` when a chat part names a missing media item.
-    """
-    h = hashlib.blake2b(digest_size=16)
-
-    def feed(tag: str, value: str) -> None:
-        h.update(f"{tag}{len(value)}:{value}".encode())
-
-    if prompt.text is not None:
-        feed("t", prompt.text)
-    elif prompt.token_ids is not None:
-        feed("i", ",".join(map(str, prompt.token_ids)))
-    for message in prompt.messages or ():
-        feed("r", message.role)
-        for part in message.parts:
-            if isinstance(part, str):
-                feed("s", part)
-            elif 0 <= part < len(media):
-                feed("m", str(part))
-            else:
-                raise EngineError(ErrorCode.INVALID_REQUEST, f"chat part names media #{part}")
-    for item in media:
-        feed("h", item.content_hash)
-    return h.hexdigest()
-
-
-def count_prompt_tokens(prompt: Prompt, media: tuple[MediaItem, ...], per_item: int) -> int:
-    """Whitespace words of the text (or the token ids) plus ``per_item`` per media item."""
-    if prompt.text is not None:
-        words = len(prompt.text.split())
-    elif prompt.token_ids is not None:
-        words = len(prompt.token_ids)
-    else:
-        words = sum(
-            len(part.split())
-            for message in prompt.messages or ()
-            for part in message.parts
-            if isinstance(part, str)
-        )
-    return words + per_item * len(media)
-
-
-class _TokenSource:
-    """Token ``i`` of a request: a pure function of (prompt digest, seed, ``i``)."""
-
-    def __init__(self, digest: str, sampling: SamplingParams) -> None:
-        seed = "greedy" if sampling.temperature == 0 else f"seed:{sampling.seed or 0}"
-        raw = hashlib.blake2b(f"{digest}|{seed}".encode(), digest_size=8).digest()
-        self._base = int.from_bytes(raw, "big")
-
-    def token(self, position: int) -> tuple[int, float, str]:
-        """(token id, logprob, text) of the token at ``position`` (0-based)."""
-        z = _mix64((self._base + position * _GAMMA) & _MASK64)
-        token_id = z % VOCAB_SIZE
-        logprob = -((z >> 48) % 4096 + 1) / 1024
-        word = _WORDS[token_id % len(_WORDS)]
-        return token_id, logprob, word if position == 0 else f" {word}"
-
-
-class _StopText:
-    """Accumulates output text, finds stop strings, holds back a possible partial stop."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self._stops = tuple(s for s in stops if s)
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._text = ""
-        self._sent = 0
-
-    def push(self, piece: str, *, may_stop: bool) -> bool:
-        """Append ``piece``; True (and the text cut before it) when a stop string completed."""
-        window = max(0, len(self._text) - self._hold)
-        self._text += piece
-        if not may_stop:
-            return False
-        found = [i for s in self._stops if (i := self._text.find(s, window)) >= 0]
-        if not found:
-            return False
-        self._text = self._text[: min(found)]
-        return True
-
-    def take(self, *, final: bool) -> str:
-        """The text not yet sent that can no longer turn out to be part of a stop string."""
-        end = len(self._text) if final else max(self._sent, len(self._text) - self._hold)
-        out = self._text[self._sent : end]
-        self._sent = end
-        return out
+# ---------------------------------------------------------------- helpers
 
 
 async def _pause(seconds: float) -> None:

@@ -1,7 +1,7 @@
 """Command-line options of the simulator engine: ``--sim-<knob>`` for every SimConfig field.
 
-The options are generated from :func:`~.sim.sim_knobs`, so a new knob is one
-field in :class:`~.sim.SimConfig` and nothing here.  Values are checked twice
+The options are generated from :func:`~.sim_config.sim_knobs`, so a new knob is one
+field in :class:`~.sim_config.SimConfig` and nothing here.  Values are checked twice
 with the same rules: while argparse parses (``parser.error`` names the option)
 and again in :func:`sim_config_from_args` (``ConfigError`` names the option), so
 a namespace built by hand cannot slip past either.
@@ -14,13 +14,13 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ConfigError
-from .sim import SimConfig, sim_knobs
+from .sim_config import SimConfig, sim_knobs
 from .sim_store import create_sim_stores
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .sim import Knob
+    from .sim_config import Knob
     from .sim_store import SimStores
 
 STORE_DIR_OPTION = "--sim-store-dir"
