@@ -170,6 +170,7 @@ async def _supervise(
     spec = worker.spec
     while True:
         listen = spec.listen if worker.address is None else str(worker.address)
+        started = trio.current_time()
         async with trio.open_nursery() as nursery:
             process = await trio.lowlevel.open_process(
                 worker_command(spec, listen),
@@ -180,10 +181,9 @@ async def _supervise(
             worker.starts += 1
             assert process.stdout is not None
             reader = _LineReader(process.stdout)
-            address: Address | None
             try:
                 with trio.fail_after(STARTUP_TIMEOUT_S):
-                    address = await _read_announcement(reader, spec)
+                    worker.address = await _read_announcement(reader, spec)
             except (trio.TooSlowError, WorkerError):
                 process.kill()
                 await process.wait()
@@ -191,18 +191,20 @@ async def _supervise(
                     raise WorkerError(
                         f"worker {spec.worker_id} did not start (exit {process.returncode})"
                     ) from None
-                address = worker.address
-            worker.address = address
-            worker._mark_announced()
-            if worker.starts == 1:
-                task_status.started()
+                logger.error("worker %s failed to restart", spec.worker_id)
             else:
-                logger.warning("worker %s restarted (pid %d)", spec.worker_id, process.pid)
-            nursery.start_soon(_forward_output, reader, spec.worker_id)
+                worker._mark_announced()
+                if worker.starts == 1:
+                    task_status.started()
+                else:
+                    logger.warning("worker %s restarted (pid %d)", spec.worker_id, process.pid)
+                nursery.start_soon(_forward_output, reader, spec.worker_id)
             status = await process.wait()
         worker.exits.append(status)
         if deployment.stopping or not restart:
             return
+        if trio.current_time() - started >= RESTART_BACKOFF_MAX_S:
+            backoff = RESTART_BACKOFF_START_S  # it had been up a while: not a crash loop
         logger.error(
             "worker %s exited with status %d; restarting in %.1fs", spec.worker_id, status, backoff
         )

@@ -2,7 +2,7 @@
 
 Theory of operation: every pool member has a :class:`CircuitBreaker`.  It is
 *closed* (traffic flows) until ``failure_threshold`` consecutive worker-side
-failures (a lost connection, a retryable worker error, an overrun) open it.
+failures (a lost connection, a retryable worker error) open it.
 While *open* the pool routes around the worker.  After ``open_cooldown_s`` the
 breaker goes *half-open* and lets exactly one job through as a probe: a
 success counts towards ``success_threshold`` (then the breaker closes), a

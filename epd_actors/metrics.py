@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .lifecycle import Phase
@@ -102,21 +102,6 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
-        self.retries = Counter(
-            "epd_retries",
-            "Stage attempts retried on another worker",
-            ["stage"],
-            registry=registry,
-        )
-        self.aborts = Counter(
-            "epd_aborts_sent", "Aborts sent to workers", ["stage"], registry=registry
-        )
-        self.admission_refusals = Counter(
-            "epd_admission_refusals",
-            "Requests refused by admission control",
-            ["reason"],
-            registry=registry,
-        )
         self.output_tokens = Counter(
             "epd_output_tokens", "Output tokens streamed to clients", registry=registry
         )
@@ -186,6 +171,19 @@ class _StateCollector(Collector):
                 worker_in_flight.add_metric([stage, member.worker_id], member.in_flight)
                 worker_up.add_metric([stage, member.worker_id], 1.0 if member.usable else 0.0)
         supervisor = stats.supervisor
+        retries = CounterMetricFamily(
+            "epd_retries", "Stage attempts retried on another worker", labels=["stage"]
+        )
+        queued = GaugeMetricFamily(
+            "epd_actor_queued_jobs", "Jobs waiting in a stage actor's inbox", labels=["stage"]
+        )
+        for stage, actor in stats.actors.items():
+            retries.add_metric([stage], actor.retries_total)
+            queued.add_metric([stage], actor.queued)
+        refusals = CounterMetricFamily(
+            "epd_admission_refusals", "Requests refused at the in-flight limit"
+        )
+        refusals.add_metric([], supervisor.requests_refused)
         in_flight = GaugeMetricFamily("epd_requests_in_flight", "Requests being served")
         in_flight.add_metric([], supervisor.requests_in_flight)
         restarts = GaugeMetricFamily(
@@ -194,3 +192,4 @@ class _StateCollector(Collector):
         for stage, count in supervisor.actor_restarts.items():
             restarts.add_metric([stage], count)
         yield from (pool_in_flight, pool_usable, worker_in_flight, worker_up, in_flight, restarts)
+        yield from (retries, queued, refusals)

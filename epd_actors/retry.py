@@ -5,7 +5,7 @@ failure and sleeps :meth:`RetryPolicy.backoff_s` (randomness passed in) before
 leasing a different worker.  The rules:
 
 * only ``WorkerError``s that say ``retryable`` (connection lost, a worker error
-  the worker marked retryable, an overrun) -- never a client error such as
+  the worker marked retryable) -- never a client error such as
   ``invalid_request``, which would fail the same way everywhere;
 * a stage that produces output is retried only before its first token reached
   the requester (after that, a retry would repeat text);

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ._groups import single_exception
 from .addresses import parse_address
 from .backends.base import ManagedBackend
 from .config import RouterConfig, WorkerEndpoint
@@ -37,6 +38,7 @@ from .routing import make_policy
 from .supervisor import Supervisor, SupervisorStatistics
 
 if TYPE_CHECKING:
+    from .actors import ActorStatistics
     from .request import GenerationEvent, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class RouterStatistics:
 
     supervisor: SupervisorStatistics
     pools: dict[str, list[MemberStatistics]]
+    actors: dict[str, ActorStatistics]
 
 
 class Router:
@@ -97,6 +100,7 @@ class Router:
         return RouterStatistics(
             supervisor=self.supervisor.statistics(),
             pools={stage: pool.statistics() for stage, pool in self.pools.items()},
+            actors={stage: a.statistics() for stage, a in self.supervisor.actors.items()},
         )
 
     async def wait_ready(self) -> None:
@@ -205,14 +209,15 @@ async def open_router(
         retry=config.retries,
         admission=config.admission,
     )
-    async with trio.open_nursery() as nursery:
-        router = Router(config, supervisor, pools, nursery, factory, metrics)
-        metrics.watch(router.statistics)
-        for pool in config.pools:
-            for endpoint in pool.workers:
-                await router.add_worker(pool.stage, endpoint)
-        await nursery.start(supervisor.run)
-        try:
-            yield router
-        finally:
-            nursery.cancel_scope.cancel(reason="router closed")
+    with single_exception():
+        async with trio.open_nursery() as nursery:
+            router = Router(config, supervisor, pools, nursery, factory, metrics)
+            metrics.watch(router.statistics)
+            for pool in config.pools:
+                for endpoint in pool.workers:
+                    await router.add_worker(pool.stage, endpoint)
+            await nursery.start(supervisor.run)
+            try:
+                yield router
+            finally:
+                nursery.cancel_scope.cancel(reason="router closed")

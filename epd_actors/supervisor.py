@@ -173,6 +173,7 @@ class Supervisor:
                 max_jobs=self.limits.max_jobs,
                 retry=retry,
                 rng=rng,
+                cleanup_timeout_s=self.deadlines.cleanup_timeout_s,
             )
             for stage, pool in pools.items()
         }
@@ -226,6 +227,7 @@ class Supervisor:
         backoff = self.limits.restart_backoff_start_s
         status: trio.TaskStatus[None] = task_status
         while True:
+            started = trio.current_time()
             try:
                 await actor.run(task_status=status)
             except Exception:
@@ -237,6 +239,8 @@ class Supervisor:
                     self.actor_restarts[actor.stage],
                 )
             status = trio.TASK_STATUS_IGNORED
+            if trio.current_time() - started >= self.limits.restart_backoff_max_s:
+                backoff = self.limits.restart_backoff_start_s  # it had been healthy a while
             await trio.sleep(backoff)
             backoff = min(backoff * 2, self.limits.restart_backoff_max_s)
 
@@ -339,7 +343,9 @@ class Supervisor:
         self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
     ) -> DoneEvent | ErrorEvent:
         request = record.request
-        timeout = request.timeout_s or self.deadlines.request_timeout_s
+        timeout = request.timeout_s
+        if timeout is None:
+            timeout = self.deadlines.request_timeout_s
         try:
             with trio.move_on_after(timeout):
                 return await self._pipeline(record, events)
@@ -392,6 +398,9 @@ class Supervisor:
             except EpdError as exc:
                 failures.append(exc)
                 nursery.cancel_scope.cancel(reason=f"{actor.stage} job failed")
+            except trio.BrokenResourceError:
+                failures.append(RequestCancelled(f"{record.request.request_id}: caller left"))
+                nursery.cancel_scope.cancel(reason="caller closed its event channel")
 
         async with trio.open_nursery() as nursery:
             for item in items:

@@ -58,3 +58,26 @@ async def test_failed_requests_are_counted_by_error_type() -> None:
         await trio.lowlevel.checkpoint()
         values = samples(router.metrics.render())
     assert values[("epd_requests_total", (("outcome", "RemoteWorkerError"),))] == 1.0
+
+
+async def test_retries_and_refusals_are_exported() -> None:
+    from epd_actors.config import AdmissionLimits
+
+    fleet = build_sim_fleet({"prefill": 2, "decode": 1})
+    fleet.engines["prefill-0"].config = sim_config(prefill_error_rate=1.0)
+    config = fleet.router_config()
+    config = type(config)(config.pools, admission=AdmissionLimits(max_requests_in_flight=1))
+    async with open_router(config, backend_factory=fleet.backend_factory) as router:
+        for n in range(2):
+            request = GenerationRequest(Prompt(text="x"), request_id=f"r{n}")
+            async with router.generate(request) as events:
+                assert isinstance([e async for e in events][-1], DoneEvent)
+        async with router.generate(GenerationRequest(Prompt(text="a"))) as first:
+            async with router.generate(GenerationRequest(Prompt(text="b"))) as second:
+                refused = [e async for e in second]
+            [e async for e in first]
+        values = samples(router.metrics.render())
+    assert len(refused) == 1
+    assert values[("epd_retries_total", (("stage", "prefill"),))] >= 1.0
+    assert values[("epd_admission_refusals_total", ())] == 1.0
+    assert values[("epd_actor_queued_jobs", (("stage", "decode"),))] == 0.0

@@ -84,6 +84,7 @@ class BaseActor:
         max_jobs: jobs that may run at once.
         retry: when a failed attempt moves to another worker.
         rng: randomness for retry jitter (tests pass a seeded one).
+        cleanup_timeout_s: bound of the compensations a job runs itself.
     """
 
     stage: ClassVar[str]
@@ -100,8 +101,10 @@ class BaseActor:
         max_jobs: int = ACTOR_MAX_JOBS,
         retry: RetryPolicy | None = None,
         rng: random.Random | None = None,
+        cleanup_timeout_s: float = CLEANUP_TIMEOUT_S,
     ) -> None:
         self.pool = pool
+        self.cleanup_timeout_s = cleanup_timeout_s
         self.retry = retry or RetryPolicy()
         self._rng = rng or random.Random()
         self.retries_total = 0
@@ -211,7 +214,11 @@ class BaseActor:
             task_status.started()
             while True:
                 job = await self._inbox_receive.receive()
-                await self._limiter.acquire_on_behalf_of(job)
+                try:
+                    await self._limiter.acquire_on_behalf_of(job)
+                except BaseException:
+                    job.reply.close()  # its requester sees the actor crash at once
+                    raise
                 jobs.start_soon(self._run_job, job, name=f"{self.stage}:{job.request_id}")
 
     async def _run_job(self, job: Job) -> None:
@@ -227,7 +234,7 @@ class BaseActor:
 
     async def _compensate(self, job: Job) -> None:
         """Undo a job whose requester left before taking its result (shielded, bounded)."""
-        with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+        with trio.move_on_after(self.cleanup_timeout_s, shield=True):
             for compensation in job.hand_over():
                 try:
                     await compensation()
@@ -260,6 +267,8 @@ class BaseActor:
         attempt = 0
         while True:
             attempt += 1
+            # A job cancelled while it queued must not reach a worker at all.
+            await trio.lowlevel.checkpoint_if_cancelled()
             try:
                 lease = await self.pool.lease(key, exclude=tried)
             except NoHealthyWorker:
