@@ -104,7 +104,7 @@ class Router:
         )
 
     async def wait_ready(self) -> None:
-        """Wait until every pool has at least one connected worker.
+        """Wait until every pool has at least one worker ready to take work.
 
         Raises:
             NoHealthyWorker: a pool has no workers configured at all.
@@ -115,7 +115,7 @@ class Router:
             async with trio.open_nursery() as nursery:
                 for member in pool.members:
                     backend = self.backends[member.worker_id]
-                    nursery.start_soon(_first_connected, backend, nursery.cancel_scope)
+                    nursery.start_soon(_first_ready, backend, nursery.cancel_scope)
 
     async def add_worker(self, stage: str, endpoint: WorkerEndpoint) -> None:
         """Add a worker to a running router (its connection starts at once).
@@ -162,8 +162,8 @@ class Router:
         raise ConfigError(f"unknown worker {worker_id!r}")
 
 
-async def _first_connected(backend: ManagedBackend, scope: trio.CancelScope) -> None:
-    await backend.wait_connected()
+async def _first_ready(backend: ManagedBackend, scope: trio.CancelScope) -> None:
+    await backend.wait_ready()
     scope.cancel(reason="a worker of the pool is connected")
 
 

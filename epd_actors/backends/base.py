@@ -101,3 +101,7 @@ class ManagedBackend(StageBackend, Protocol):
     async def wait_connected(self) -> None:
         """Return once a connection is up (immediately if it already is)."""
         ...
+
+    async def wait_ready(self) -> None:
+        """Return once the worker can take work (connected and its engine ready)."""
+        ...

@@ -112,6 +112,10 @@ class InProcessBackend:
     async def wait_connected(self) -> None:
         await self._connected_event.wait()
 
+    async def wait_ready(self) -> None:
+        """Connected is ready: the engine is called directly."""
+        await self._connected_event.wait()
+
     def _check_connected(self) -> None:
         if not self.connected:
             raise WorkerDisconnected(f"worker {self.worker_id} is not connected")

@@ -169,6 +169,7 @@ class NativeBackend:
         self._running = False
         self._conn: _Connection | None = None
         self._connected = trio.Event()
+        self._ready = trio.Event()
         self._draining = False
         self._worker_stats: WorkerStats | None = None
         self._pending: dict[str, _Pending] = {}
@@ -232,6 +233,15 @@ class NativeBackend:
             return
         while self._conn is None:
             await self._connected.wait()
+
+    async def wait_ready(self) -> None:
+        """Return once connected and the engine answered a heartbeat as ready.
+
+        Cancellation: safe.
+        """
+        while not self.status().ready:
+            await self._ready.wait()
+        await trio.lowlevel.checkpoint()
 
     # ------------------------------------------------------------ supervisor
 
@@ -392,6 +402,7 @@ class NativeBackend:
         if self._conn is conn:
             self._conn = None
             self._connected = trio.Event()
+            self._ready = trio.Event()
         self._disconnects += 1
         self._worker_stats = None
         for pending in list(self._pending.values()):
@@ -508,6 +519,8 @@ class NativeBackend:
         for nonce in [n for n in conn.pings if n < pong.nonce]:
             del conn.pings[nonce]
         self._worker_stats = pong.stats
+        if pong.stats.engine_ready and self._conn is conn:
+            self._ready.set()
 
     def _on_aborted(self, conn: _Connection, message: Aborted) -> None:
         pending = self._pending.get(message.request_id)
