@@ -16,13 +16,13 @@ if TYPE_CHECKING:
 
 @register_stage
 class DecodeActor(BaseActor):
-    """Streams deltas; the request carries P's ``kv_transfer_params``."""
+    """Streams deltas; the request carries P's ``kv_transfer_params`` (when P ran)."""
 
     stage = "decode"
     phase = Phase.DECODING
     order = 30
     produces_output = True
-    requires = ("prefill",)
+    requires: tuple[str, ...] = ("prefill",)
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
         context = job.context
