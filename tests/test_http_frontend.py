@@ -709,3 +709,18 @@ async def test_client_leaving_before_a_unary_answer_cancels_the_request() -> Non
     assert app.feed is not None
     with pytest.raises(trio.BrokenResourceError):
         app.feed.send_nowait(delta("late"))
+
+
+async def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    app = ScriptedApp()
+    settings = HttpSettings(write_timeout_s=4.0, linger_s=0.5)
+    async with connected(app, settings, pair=trio.testing.lockstep_stream_pair) as client:
+        await client.send("POST", "/v1/chat/completions", json_body={**CHAT, "stream": True})
+        await app.started.wait()
+        start = trio.current_time()
+        assert app.feed is not None
+        app.feed.send_nowait(delta("never read"))
+        await app.left.wait()  # the write timed out: the request was cancelled
+        assert trio.current_time() - start == 4.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from ..lifecycle import Phase
 from ..protocol import GenerateRequest
@@ -22,7 +22,7 @@ class DecodeActor(BaseActor):
     phase = Phase.DECODING
     order = 30
     produces_output = True
-    requires: tuple[str, ...] = ("prefill",)
+    requires: ClassVar[tuple[str, ...]] = ("prefill",)
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
         context = job.context

@@ -178,9 +178,10 @@ async def _refuse_connection(stream: trio.abc.Stream, settings: HttpSettings) ->
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
         f"retry-after: 1\r\nconnection: close\r\ncontent-length: {len(payload)}\r\n\r\n"
     )
-    with trio.move_on_after(settings.write_timeout_s):
-        try:
+    try:
+        with trio.move_on_after(settings.write_timeout_s):
             await stream.send_all(head.encode() + payload)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            logger.debug("refused connection closed before its 503")
-    await trio.aclose_forcefully(stream)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        logger.debug("a refused connection closed before its 503")
+    finally:
+        await trio.aclose_forcefully(stream)

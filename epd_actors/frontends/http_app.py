@@ -56,8 +56,8 @@ class HttpSettings:
         media: media limits and the URL/path allow-list.
     """
 
-    api_keys: tuple[str, ...] = ()
-    admin_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body_bytes: int = 48 * MIB
     max_header_bytes: int = 16 * KIB
     keep_alive_timeout_s: float = 5.0

@@ -41,21 +41,20 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 import h11
 import trio
 
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
-from ..request import DeltaEvent, DoneEvent, ErrorEvent, RequestTimings, new_request_id
-from .http_errors import ErrorBody, HttpError, error_response
+from ..request import DeltaEvent, DoneEvent, ErrorEvent, new_request_id
+from .http_errors import HttpError, error_response
 from .media import resolve_media
 from .openai_format import SseFormatter, error_body, logprobs_body, response_body, unix_time
 from .openai_schema import ParsedRequest, parse_chat_completion, parse_completion
+from .sse import next_batch, render_batch
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ..request import GenerationEvent
     from .http_app import HttpApp, HttpSettings
     from .media import MediaFetcher
@@ -77,9 +76,12 @@ _REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _SSE_HEADERS: Final = (("content-type", "text/event-stream"), ("cache-control", "no-cache"))
 _METRICS_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 _PHRASES: Final = {status.value: status.phrase.encode() for status in http.HTTPStatus}
-_NO_TIMINGS: Final = RequestTimings(
-    queue_wait_s=0.0, stages={}, ttft_s=None, total_s=0.0, workers={}
-)
+
+
+class Authorizer(Protocol):
+    """Checks an ``Authorization`` header (see ``HttpServer.authorized``)."""
+
+    def __call__(self, header: str, *, admin: bool = False) -> bool: ...
 
 
 class ClientGone(Exception):
@@ -115,7 +117,7 @@ class HttpConnection:
         stream: the connection's byte stream.
         app: what requests run against.
         settings: limits, timeouts, keys.
-        authorized: ``authorized(header, admin=...)`` checks an Authorization header.
+        authorized: checks an ``Authorization`` header (``admin=True`` for admin keys).
         fetcher: loads allowed media URLs (None: URL media are refused).
     """
 
@@ -125,7 +127,7 @@ class HttpConnection:
         *,
         app: HttpApp,
         settings: HttpSettings,
-        authorized: Callable[..., bool],
+        authorized: Authorizer,
         fetcher: MediaFetcher | None = None,
     ) -> None:
         self.stream = stream
@@ -529,24 +531,35 @@ class HttpConnection:
     async def close(self) -> None:
         """Say EOF, let the client read the last answer, then close the stream.
 
-        Cancellation: the linger is bounded by ``linger_s`` (and ends at once
-        when the connection's task is cancelled); the close itself is forceful
-        and never waits.
+        Cancellation: the linger is bounded by ``linger_s`` and ends at once
+        when the connection's task is cancelled; the stream is closed either
+        way, forcefully, without waiting.
         """
-        if not self.saw_eof:
-            with trio.move_on_after(self.settings.linger_s):
-                try:
-                    if isinstance(self.stream, trio.abc.HalfCloseableStream):
-                        await self.stream.send_eof()
-                    drained = 0
-                    while drained <= self.settings.max_body_bytes:
-                        data = await self.stream.receive_some(self.settings.receive_bytes)
-                        if not data:
-                            break
-                        drained += len(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    logger.debug("[%s] connection reset while closing", self.rid)
-        await trio.aclose_forcefully(self.stream)
+        try:
+            if not self.saw_eof:
+                with trio.move_on_after(self.settings.linger_s):
+                    await self._linger()
+        finally:
+            await trio.aclose_forcefully(self.stream)
+
+    async def _linger(self) -> None:
+        """Send EOF, then discard what the client still sends until it closes.
+
+        Closing a TCP socket with unread input makes the kernel send a reset,
+        which can destroy the answer before the client reads it (a 413 to a
+        client still uploading): reading to EOF first avoids that.
+        """
+        try:
+            if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                await self.stream.send_eof()
+            drained = 0
+            while drained <= self.settings.max_body_bytes:
+                data = await self.stream.receive_some(self.settings.receive_bytes)
+                if not data:
+                    return
+                drained += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            logger.debug("[%s] connection reset while closing", self.rid)
 
     def _log_exchange(self, exchange: _Exchange) -> None:
         self.app.observe_http(exchange.route, exchange.status)
@@ -567,58 +580,3 @@ def _models_body(models: list[str]) -> dict[str, object]:
         {"id": name, "object": "model", "created": 0, "owned_by": "epd_actors"} for name in models
     ]
     return {"object": "list", "data": data}
-
-
-async def next_batch(
-    events: trio.MemoryReceiveChannel[GenerationEvent],
-) -> list[GenerationEvent]:
-    """One event (waiting for it) plus every event already queued behind it.
-
-    An empty list means the channel ended without a final event.
-
-    Cancellation: safe; nothing is lost that was not already taken.
-    Backpressure: waits only for the first event.
-    """
-    try:
-        batch = [await events.receive()]
-    except trio.EndOfChannel:
-        return []
-    while not isinstance(batch[-1], DoneEvent | ErrorEvent):
-        try:
-            batch.append(events.receive_nowait())
-        except (trio.WouldBlock, trio.EndOfChannel):
-            break
-    return batch
-
-
-def render_batch(
-    formatter: SseFormatter, batch: list[GenerationEvent], parsed: ParsedRequest
-) -> tuple[str, DoneEvent | ErrorEvent | None]:
-    """The SSE text of a batch of events, and its final event if it has one."""
-    if not batch:
-        error = ActorCrashed("the request ended without a final event")
-        return formatter.error(_stream_error_body(error)), ErrorEvent(error, _NO_TIMINGS)
-    parts: list[str] = []
-    for event in batch:
-        if isinstance(event, DeltaEvent):
-            if event.text or (parsed.logprobs and event.token_ids):
-                parts.append(formatter.delta(event.text, event.token_ids, event.logprobs))
-        elif isinstance(event, DoneEvent):
-            parts.append(formatter.finish(event.finish_reason))
-            if parsed.include_usage:
-                parts.append(formatter.usage(event.usage))
-            parts.append(formatter.comment("timings " + event.timings.header_value()))
-            parts.append(formatter.done())
-            return "".join(parts), event
-        elif isinstance(event, ErrorEvent):
-            parts.append(formatter.comment("timings " + event.timings.header_value()))
-            parts.append(formatter.error(_stream_error_body(event.error)))
-            return "".join(parts), event
-    return "".join(parts), None
-
-
-def _stream_error_body(error: EpdError) -> ErrorBody:
-    answer = error_response(error)
-    if answer is None:
-        return error_body(str(error), type="cancelled", code="cancelled")
-    return answer.body

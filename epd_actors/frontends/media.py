@@ -33,7 +33,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import logging
 import mimetypes
 import posixpath
 import re
@@ -53,8 +52,6 @@ if TYPE_CHECKING:
     import httpx
 
     from .openai_schema import ParsedRequest
-
-logger = logging.getLogger(__name__)
 
 MIB: Final = 1024 * 1024
 

@@ -35,7 +35,7 @@ Cancellation: a ``cancel`` message, or the socket closing, cancels
 generation scopes; leaving ``app.generate`` is what cancels the request and
 makes the router abort its workers (shielded and bounded there).
 
-Errors are mapped once, by :func:`~.http.error_response`; the front end's own
+Errors are mapped once, by :func:`~.http_errors.error_response`; the front end's own
 refusals are :class:`WsMessageError` (an ``HttpError`` whose status is unused).
 """
 
@@ -55,7 +55,7 @@ from trio_websocket import ConnectionClosed, Endpoint, serve_websocket
 
 from ..errors import ActorCrashed, ConfigError, EpdError, Overloaded, Unauthorized
 from ..request import DeltaEvent, DoneEvent, ErrorEvent
-from .http import HttpError, error_response
+from .http_errors import HttpError, error_response
 from .media import MediaLimits, open_media_fetcher, resolve_media
 from .openai_format import error_body, usage_body
 from .openai_schema import RequestKind, parse_chat_completion, parse_completion
@@ -79,8 +79,6 @@ MAX_ID_CHARS: Final = 256
 
 PONG: Final = '{"type":"pong"}'
 
-_KINDS: Final[tuple[RequestKind, ...]] = ("chat", "completion")
-
 
 class WsApp(Protocol):
     """What the WebSocket front end needs: a router, or anything that generates."""
@@ -99,8 +97,8 @@ class WsSettings:
         api_keys: accepted keys (``Authorization: Bearer`` or ``?api_key=``);
             empty = open.
         models: model names a request may name; empty = any.
-        max_message_bytes: largest client message (``len()`` of its text); a
-            larger one closes the connection with code 1009.
+        max_message_bytes: largest client message, as ``len()`` of its text
+            (characters); a larger one closes the connection with code 1009.
         max_generations: generations one connection may run at once; one more
             is refused with ``overloaded``.
         handshake_timeout_s: time for the client to complete the opening
@@ -118,7 +116,7 @@ class WsSettings:
     """
 
     path: str = "/v1/ws"
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     models: tuple[str, ...] = ()
     max_message_bytes: int = 48 * MIB
     max_generations: int = 64
@@ -465,14 +463,16 @@ class WsServer:
             reason = "internal error"
         finally:
             self.connections.discard(connection)
+        logger.debug("%r: ended (%s)", connection, reason)
         with trio.move_on_after(self.settings.close_timeout_s):
             await ws.aclose(1011 if reason == "internal error" else 1000, reason)
 
     def _refusal(self, request: WebSocketRequest) -> tuple[int, Exception] | None:
-        if urlsplit(request.path).path != self.settings.path:
+        path = urlsplit(request.path).path  # never echo the query: it may hold a key
+        if path != self.settings.path:
             return 404, HttpError(
                 404,
-                f"no WebSocket endpoint at {request.path}",
+                f"no WebSocket endpoint at {path}",
                 type="not_found_error",
                 code="not_found",
             )
