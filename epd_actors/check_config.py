@@ -29,8 +29,8 @@ def describe(config: FileConfig) -> str:
         f"topology:   {' -> '.join(stages)}",
         f"http:       {server.http_listen}"
         + (f"   websocket: {server.ws_listen}" if server.ws_listen else ""),
-        f"api keys:   {len(server.api_keys) or 'none (open)'}"
-        f"   admin routes: {'on' if server.admin_key else 'off'}",
+        f"api keys:   {len(server.http.api_keys) or 'none (open)'}"
+        f"   admin routes: {'on' if server.http.admin_keys else 'off'}",
         f"worker auth token: {'set' if router.auth_token else 'NOT SET'}",
         "deadlines:  "
         + ", ".join(

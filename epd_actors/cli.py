@@ -1,52 +1,113 @@
 """``python -m epd_actors``: the command line.
 
 Subcommands:
-    (none)      start a complete local deployment on simulated workers
-    worker      run one native worker process
+    (none)        a complete local deployment on simulated workers (``local``)
+    serve         the router for real deployments: ``serve --config epd.toml``
+    worker        one native worker process
+    check-config  validate a configuration file and explain it
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from dataclasses import replace
+from functools import partial
 
-from .check_config import add_check_config_arguments, run_check_config
+import trio
+
+from .check_config import add_check_config_arguments, check_topology, run_check_config
+from .config_file import FileConfig, load_config, parse_host_port
+from .errors import ConfigError
+from .local import add_local_arguments, run_local
+from .server import serve_router
 from .worker.cli import add_worker_arguments, run_worker
+
+COMMANDS = ("local", "serve", "worker", "check-config")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR"
+    )
     parser = argparse.ArgumentParser(
         prog="python -m epd_actors",
-        description="A Trio-native router for Encode/Prefill/Decode disaggregated LLM serving.",
+        description="A Trio-native router for Encode/Prefill/Decode disaggregated LLM serving. "
+        "Without a command: a local deployment on simulated workers.",
     )
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default)")
     commands = parser.add_subparsers(dest="command")
-    worker = commands.add_parser("worker", help="run one native worker process")
-    add_worker_arguments(worker)
-    check = commands.add_parser("check-config", help="validate a configuration file")
-    add_check_config_arguments(check)
-    from .local import add_local_arguments
-
-    local = commands.add_parser("local", help="the default: a local simulated deployment")
+    local = commands.add_parser(
+        "local", parents=[common], help="(default) router + simulated workers on localhost"
+    )
     add_local_arguments(local)
+    serve = commands.add_parser("serve", parents=[common], help="run the router from a config")
+    serve.add_argument("--config", required=True, help="the TOML configuration file")
+    serve.add_argument("--http-listen", default=None, help="HOST:PORT (overrides the file)")
+    serve.add_argument("--ws-listen", default=None, help="HOST:PORT (overrides the file)")
+    worker = commands.add_parser("worker", parents=[common], help="run one native worker")
+    add_worker_arguments(worker)
+    check = commands.add_parser(
+        "check-config", parents=[common], help="validate a configuration file"
+    )
+    add_check_config_arguments(check)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.command is None:
-        args = parser.parse_args(["local", *(sys.argv[1:] if argv is None else argv)])
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if not arguments or (arguments[0] not in COMMANDS and arguments[0] not in ("-h", "--help")):
+        arguments = ["local", *arguments]
+    args = build_parser().parse_args(arguments)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.command == "worker":
-        return run_worker(args)
-    if args.command == "check-config":
-        return run_check_config(args)
-    from .local import run_local
+    runners = {
+        "local": run_local,
+        "serve": run_serve,
+        "worker": run_worker,
+        "check-config": run_check_config,
+    }
+    return runners[args.command](args)
 
-    return run_local(args)
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``serve --config FILE``: run until SIGTERM/SIGINT, then drain."""
+    try:
+        config = load_config(args.config)
+        server = config.server
+        if args.http_listen:
+            parse_host_port(args.http_listen, key="--http-listen")
+            server = replace(server, http_listen=args.http_listen)
+        if args.ws_listen:
+            parse_host_port(args.ws_listen, key="--ws-listen")
+            server = replace(server, ws_listen=args.ws_listen)
+        config = replace(config, server=server)
+        check_topology(config)
+    except ConfigError as exc:
+        print(f"epd_actors serve: configuration error: {exc}", file=sys.stderr)
+        return 2
+    status = 0
+    try:
+        trio.run(_serve, config)
+    except* OSError as group:
+        print(f"epd_actors serve: cannot listen: {group.exceptions[0]}", file=sys.stderr)
+        status = 2
+    return status
+
+
+async def _serve(config: FileConfig) -> None:
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            addresses, _router = await nursery.start(partial(serve_router, config, stop=stop))
+            print(f"epd_actors: router listening on {addresses.http_url}", flush=True)
+            if addresses.ws_url:
+                print(f"epd_actors: WebSocket streaming on {addresses.ws_url}", flush=True)
+            async for _ in signals:
+                stop.set()
+                break

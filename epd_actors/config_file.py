@@ -14,11 +14,14 @@ lists every key with its default.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from .config import (
     ActorLimits,
@@ -29,55 +32,31 @@ from .config import (
     WorkerEndpoint,
 )
 from .errors import ConfigError
+from .frontends.http_app import HttpSettings
+from .frontends.media import MediaLimits, MediaPolicy
+from .frontends.ws import WsSettings
 from .health import HealthPolicy
 from .retry import RetryPolicy
-
-MIB = 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class MediaConfig:
-    """Where media may come from besides ``data:`` URLs, and how big it may be.
-
-    Attributes:
-        allowed_url_prefixes: http(s) URL prefixes the router may fetch.
-        allowed_local_dirs: directories whose files a request may name.
-        max_item_bytes: largest media item, decoded.
-        fetch_timeout_s: time limit of one fetch.
-    """
-
-    allowed_url_prefixes: tuple[str, ...] = ()
-    allowed_local_dirs: tuple[str, ...] = ()
-    max_item_bytes: int = 20 * MIB
-    fetch_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """The front ends.
+    """The front ends: where they listen, their settings, and how they drain.
 
     Attributes:
         http_listen: ``HOST:PORT`` of the OpenAI-compatible HTTP server.
         ws_listen: ``HOST:PORT`` of the WebSocket server, or None for none.
-        api_keys: client keys (``Authorization: Bearer``); empty = open.
-        admin_key: key of the admin routes; None disables them.
-        max_body_bytes: largest request body.
-        max_header_bytes: largest request head.
-        idle_timeout_s: keep-alive connection idle limit.
-        read_timeout_s: time to receive one request body.
-        access_log: log every request.
+        drain_timeout_s: on SIGTERM, how long in-flight requests may finish
+            after the listeners closed, before the rest are cancelled.
+        http: the HTTP server's limits, timeouts and keys.
+        ws: the WebSocket server's limits, timeouts and keys.
     """
 
     http_listen: str = "127.0.0.1:8000"
     ws_listen: str | None = None
-    api_keys: tuple[str, ...] = ()
-    admin_key: str | None = None
-    max_body_bytes: int = 32 * MIB
-    max_header_bytes: int = 64 * 1024
-    idle_timeout_s: float = 75.0
-    read_timeout_s: float = 60.0
-    access_log: bool = False
-    media: MediaConfig = field(default_factory=MediaConfig)
+    drain_timeout_s: float = 30.0
+    http: HttpSettings = field(default_factory=HttpSettings)
+    ws: WsSettings = field(default_factory=WsSettings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +64,7 @@ class FileConfig:
     """Everything a configuration file says."""
 
     router: RouterConfig
-    server: ServerConfig
+    server: ServerConfig = field(default_factory=ServerConfig)
 
 
 class _Table:
@@ -96,6 +75,10 @@ class _Table:
             raise ConfigError(f"{path or 'config'}: expected a table")
         self._data = dict(data)
         self._path = path
+
+    @property
+    def path(self) -> str:
+        return self._path
 
     def key(self, name: str) -> str:
         return f"{self._path}.{name}" if self._path else name
@@ -212,21 +195,11 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     model = top.string("model", "sim-model") or "sim-model"
     auth_token = top.secret("auth_token", env) or ""
     server = _server(top.table("server"), env)
-    deadlines = _deadlines(top.table("deadlines"))
-    actors = _actors(top.table("actors"))
-    retries = _retries(top.table("retries"))
-    health = _health(top.table("health"))
-    admission_table = top.table("admission")
-    defaults = AdmissionLimits()
-    admission = AdmissionLimits(
-        max_requests_in_flight=admission_table.integer(
-            "max_requests_in_flight", defaults.max_requests_in_flight, minimum=1
-        ),
-        retry_after_s=admission_table.number(
-            "retry_after_s", defaults.retry_after_s, minimum=0.001
-        ),
-    )
-    admission_table.done()
+    deadlines = read_settings(top.table("deadlines"), Deadlines)
+    actors = read_settings(top.table("actors"), ActorLimits)
+    retries = read_settings(top.table("retries"), RetryPolicy)
+    health = read_settings(top.table("health"), HealthPolicy)
+    admission = read_settings(top.table("admission"), AdmissionLimits)
     pools_table = top.table("pools")
     pools = tuple(_pool(stage, table) for stage, table in pools_table.remaining_tables())
     top.done()
@@ -251,103 +224,79 @@ def _server(table: _Table, env: dict[str, str]) -> ServerConfig:
         assert name is not None
         raw = env.get(name)
         if raw is None:
-            raise ConfigError(
-                f"{table.key('api_keys_env')}: environment variable {name} is not set"
-            )
+            key = table.key("api_keys_env")
+            raise ConfigError(f"{key}: environment variable {name} is not set")
         api_keys += tuple(k.strip() for k in raw.split(",") if k.strip())
+    admin_key = table.secret("admin_key", env)
     http_listen = table.string("http_listen", defaults.http_listen) or defaults.http_listen
     ws_listen = table.string("ws_listen", None)
     for key, value in (("http_listen", http_listen), ("ws_listen", ws_listen)):
         if value is not None:
             parse_host_port(value, key=table.key(key))
-    config = ServerConfig(
-        http_listen=http_listen,
-        ws_listen=ws_listen,
+    drain_timeout_s = table.number("drain_timeout_s", defaults.drain_timeout_s, minimum=0.001)
+    access_log = table.boolean("access_log", False)
+    media = _media(table.table("media"))
+    http = read_settings(
+        table.table("http"),
+        HttpSettings,
         api_keys=api_keys,
-        admin_key=table.secret("admin_key", env),
-        max_body_bytes=table.integer("max_body_bytes", defaults.max_body_bytes, minimum=1024),
-        max_header_bytes=table.integer("max_header_bytes", defaults.max_header_bytes, minimum=1024),
-        idle_timeout_s=table.number("idle_timeout_s", defaults.idle_timeout_s, minimum=0.001),
-        read_timeout_s=table.number("read_timeout_s", defaults.read_timeout_s, minimum=0.001),
-        access_log=table.boolean("access_log", defaults.access_log),
-        media=_media(table.table("media")),
+        admin_keys=() if admin_key is None else (admin_key,),
+        access_log=access_log,
+        media=media,
     )
+    ws = read_settings(table.table("ws"), WsSettings, api_keys=api_keys, media=media)
     table.done()
-    return config
+    return ServerConfig(http_listen, ws_listen, drain_timeout_s, http, ws)
 
 
-def _media(table: _Table) -> MediaConfig:
-    defaults = MediaConfig()
+def _media(table: _Table) -> MediaLimits:
     prefixes = table.strings("allowed_url_prefixes")
-    for index, prefix in enumerate(prefixes):
-        if not prefix.startswith(("http://", "https://")) or prefix.count("/") < 3:
-            raise ConfigError(
-                f"{table.key('allowed_url_prefixes')}[{index}]: {prefix!r} must be an "
-                "http(s) URL with a path (e.g. https://images.example/public/)"
-            )
-    config = MediaConfig(
-        allowed_url_prefixes=prefixes,
-        allowed_local_dirs=table.strings("allowed_local_dirs"),
-        max_item_bytes=table.integer("max_item_bytes", defaults.max_item_bytes, minimum=1),
-        fetch_timeout_s=table.number("fetch_timeout_s", defaults.fetch_timeout_s, minimum=0.001),
-    )
+    local_dirs = table.strings("allowed_local_dirs")
+    try:
+        policy = MediaPolicy(url_prefixes=prefixes, local_dirs=local_dirs)
+    except (ConfigError, ValueError) as exc:
+        raise ConfigError(f"{table.key('allowed_url_prefixes')}: {exc}") from None
+    return read_settings(table, MediaLimits, policy=policy)
+
+
+_T = TypeVar("_T")
+
+
+def read_settings(table: _Table, cls: type[_T], **fixed: object) -> _T:
+    """Build the settings dataclass ``cls`` from ``table``, one key per field.
+
+    Fields given in ``fixed`` come from elsewhere and are not read; every
+    other field of type int, float, bool, str or tuple of str may appear under
+    its own name, defaulting to the dataclass default.  Leftover keys are
+    errors.
+
+    Raises:
+        ConfigError: a wrong type, a negative number, an unknown key, or a
+            value the settings class itself refuses (named by its table).
+    """
+    hints = typing.get_type_hints(cls)
+    values: dict[str, object] = dict(fixed)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in fixed or not table.has(f.name):
+            continue
+        kind = hints[f.name]
+        if kind is bool:
+            values[f.name] = table.boolean(f.name, False)
+        elif kind is int:
+            values[f.name] = table.integer(f.name, 0)
+        elif kind is float:
+            values[f.name] = table.number(f.name, 0.0)
+        elif kind is str:
+            values[f.name] = table.string(f.name, "")
+        elif kind == tuple[str, ...]:
+            values[f.name] = table.strings(f.name)
+        else:
+            raise ConfigError(f"{table.key(f.name)}: cannot be set in a configuration file")
     table.done()
-    return config
-
-
-def _deadlines(table: _Table) -> Deadlines:
-    d = Deadlines()
-    config = Deadlines(
-        request_timeout_s=table.number("request_timeout_s", d.request_timeout_s, minimum=0.001),
-        first_token_timeout_s=table.number(
-            "first_token_timeout_s", d.first_token_timeout_s, minimum=0.001
-        ),
-        inter_token_timeout_s=table.number(
-            "inter_token_timeout_s", d.inter_token_timeout_s, minimum=0.001
-        ),
-        cleanup_timeout_s=table.number("cleanup_timeout_s", d.cleanup_timeout_s, minimum=0.001),
-    )
-    table.done()
-    return config
-
-
-def _actors(table: _Table) -> ActorLimits:
-    a = ActorLimits()
-    config = ActorLimits(
-        inbox_capacity=table.integer("inbox_capacity", a.inbox_capacity),
-        max_jobs=table.integer("max_jobs", a.max_jobs, minimum=1),
-        restart_backoff_start_s=table.number(
-            "restart_backoff_start_s", a.restart_backoff_start_s, minimum=0.001
-        ),
-        restart_backoff_max_s=table.number(
-            "restart_backoff_max_s", a.restart_backoff_max_s, minimum=0.001
-        ),
-    )
-    table.done()
-    return config
-
-
-def _retries(table: _Table) -> RetryPolicy:
-    r = RetryPolicy()
-    config = RetryPolicy(
-        max_attempts=table.integer("max_attempts", r.max_attempts, minimum=1),
-        backoff_start_s=table.number("backoff_start_s", r.backoff_start_s),
-        backoff_max_s=table.number("backoff_max_s", r.backoff_max_s),
-        jitter=table.number("jitter", r.jitter),
-    )
-    table.done()
-    return config
-
-
-def _health(table: _Table) -> HealthPolicy:
-    h = HealthPolicy()
-    config = HealthPolicy(
-        failure_threshold=table.integer("failure_threshold", h.failure_threshold, minimum=1),
-        success_threshold=table.integer("success_threshold", h.success_threshold, minimum=1),
-        open_cooldown_s=table.number("open_cooldown_s", h.open_cooldown_s, minimum=0.001),
-    )
-    table.done()
-    return config
+    try:
+        return cls(**values)
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{table.path or 'config'}: {exc}") from None
 
 
 def _pool(stage: str, table: _Table) -> PoolConfig:

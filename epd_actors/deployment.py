@@ -176,6 +176,9 @@ async def _supervise(
                 worker_command(spec, listen),
                 stdout=subprocess.PIPE,
                 env=dict(env),
+                # Their own session: a terminal's Ctrl-C reaches the parent only,
+                # which then stops the children in order (SIGTERM, drain).
+                start_new_session=True,
             )
             worker.process = process
             worker.starts += 1

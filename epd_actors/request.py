@@ -21,6 +21,16 @@ def new_request_id() -> str:
     return "req-" + secrets.token_hex(12)
 
 
+def worker_request_id(request_id: str) -> str:
+    """The id the workers see for a request.
+
+    The request's own id (often the client's ``x-request-id``) stays
+    recognisable in worker logs, and a unique suffix keeps two clients that
+    reuse an id (by accident or on purpose) from colliding on a worker.
+    """
+    return f"{request_id}.{secrets.token_hex(4)}"
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One generation, as the router sees it.

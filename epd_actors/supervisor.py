@@ -60,6 +60,7 @@ from .request import (
     GenerationRequest,
     RequestTimings,
     UsageEvent,
+    worker_request_id,
 )
 
 if TYPE_CHECKING:
@@ -163,6 +164,8 @@ class Supervisor:
         self.observer = observer
         self.admission = admission or AdmissionLimits()
         self.requests_refused = 0
+        self._idle = trio.Event()
+        self._idle.set()
         self.deadlines = deadlines or Deadlines()
         self.limits = limits or ActorLimits()
         registry = STAGE_ACTORS if registry is None else registry
@@ -208,6 +211,13 @@ class Supervisor:
             actor_restarts=dict(self.actor_restarts),
             compensations_run=self.compensations_run,
         )
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight (at once if none is).
+
+        Cancellation: safe.
+        """
+        await self._idle.wait()
 
     # -- actors
 
@@ -270,6 +280,8 @@ class Supervisor:
             return
         self.requests_total += 1
         self.requests_in_flight += 1
+        if self.requests_in_flight == 1:
+            self._idle = trio.Event()
         try:
             with single_exception():
                 async with trio.open_nursery() as nursery:
@@ -282,6 +294,8 @@ class Supervisor:
                         nursery.cancel_scope.cancel(reason="caller left the request")
         finally:
             self.requests_in_flight -= 1
+            if self.requests_in_flight == 0:
+                self._idle.set()
 
     def _admission_refusal(self, request: GenerationRequest) -> ErrorEvent | None:
         """An immediate ``Overloaded`` when the router is at its in-flight limit."""
@@ -369,7 +383,7 @@ class Supervisor:
     ) -> DoneEvent:
         plan = self.plan(record.request)
         record.lifecycle.advance(Phase.PLANNED)
-        context = StageContext(record.request)
+        context = StageContext(record.request, worker_request_id(record.request.request_id))
         for actor in plan:
             record.lifecycle.advance(actor.phase)
             await self._run_stage(actor, context, record, events)

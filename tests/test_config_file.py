@@ -25,8 +25,9 @@ def test_example_file_is_valid_and_complete() -> None:
     router, server = config.router, config.server
     assert [p.stage for p in router.pools] == ["encode", "prefill", "decode"]
     assert router.auth_token == "tok"
-    assert server.api_keys == ("k1", "k2")
-    assert server.admin_key == "adm"
+    assert server.http.api_keys == ("k1", "k2")
+    assert server.ws.api_keys == ("k1", "k2")
+    assert server.http.admin_keys == ("adm",)
     assert server.ws_listen == "127.0.0.1:8001"
     assert router.pool("encode") is not None
     text = describe(config)
@@ -41,15 +42,19 @@ def test_defaults_of_a_minimal_file(tmp_path: Path) -> None:
     assert config.router.auth_token == ""
     assert config.router.pools[0].policy_name == "least_in_flight"
     assert config.server.http_listen == "127.0.0.1:8000"
-    assert config.server.api_keys == ()
+    assert config.server.http.api_keys == ()
+    assert config.server.drain_timeout_s == 30.0
 
 
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
         ("[server]\nidel_timeout_s = 3\n", "server.idel_timeout_s"),
-        ("[server]\nidle_timeout_s = -1\n", "server.idle_timeout_s"),
-        ("[server]\nmax_body_bytes = 'big'\n", "server.max_body_bytes"),
+        ("[server.http]\nkeep_alive_timeout_s = -1\n", "server.http.keep_alive_timeout_s"),
+        ("[server.ws]\nmax_generations = 'x'\n", "server.ws.max_generations"),
+        ("[server.http]\napi_keys = ['k']\n", "server.http.api_keys"),
+        ("[server]\ndrain_timeout_s = 0\n", "server.drain_timeout_s"),
+        ("[server.http]\nmax_body_bytes = 'big'\n", "server.http.max_body_bytes"),
         ("[server]\naccess_log = 1\n", "server.access_log"),
         ("[server]\nhttp_listen = 'nowhere'\n", "server.http_listen"),
         (

@@ -724,3 +724,21 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(
         app.feed.send_nowait(delta("never read"))
         await app.left.wait()  # the write timed out: the request was cancelled
         assert trio.current_time() - start == 4.0
+
+
+async def test_admin_post_with_a_null_body() -> None:
+    async def admin(method: str, path: str, body: object) -> tuple[int, object]:
+        return 202, {"body": body}
+
+    app = ScriptedApp()
+    app.admin = admin
+    settings = HttpSettings(admin_keys=("root",), linger_s=0.5)
+    async with connected(app, settings) as client:
+        reply = await client.request(
+            "POST",
+            "/admin/drain",
+            body=b"null",
+            headers=(("authorization", "Bearer root"), ("content-type", "application/json")),
+        )
+        again = await client.request("GET", "/health")
+    assert (reply.status, reply.json(), again.status) == (202, {"body": None}, 200)

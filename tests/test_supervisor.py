@@ -424,7 +424,8 @@ async def test_a_new_stage_is_one_class_and_one_registry_line() -> None:
         events = await collect(supervisor, text(request_id="toy"))
         nursery.cancel_scope.cancel()
     assert isinstance(final(events), DoneEvent)
-    assert Checkpoint.seen == ["toy"]
+    # Workers see the request id with a unique suffix.
+    assert [seen.rpartition(".")[0] for seen in Checkpoint.seen] == ["toy"]
 
 
 class Fragile(BaseActor):
@@ -571,4 +572,22 @@ async def test_a_burst_past_the_in_flight_limit_is_refused_at_once(autojump_cloc
         assert event.error.retry_after == 1.0
         assert elapsed == 0
     assert supervisor.statistics().requests_refused == 16
+    assert_no_leaks(fleet)
+
+
+async def test_a_caller_leaving_a_stalled_stream_does_not_crash_the_actor() -> None:
+    fleet = build_sim_fleet({"prefill": 1, "decode": 1}, config=sim_config(output_token_s=0.0))
+    supervisor = Supervisor(fleet.pools)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        async with supervisor.generate(text(max_tokens=4000, request_id="stalled")) as events:
+            await events.receive()
+            # Stop reading: every buffer between the worker and us fills up.
+            await trio.testing.wait_all_tasks_blocked()
+        after = await collect(supervisor, text(request_id="after"))
+        assert isinstance(final(after), DoneEvent)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert supervisor.statistics().actor_restarts == {"prefill": 0, "decode": 0}
+    assert fleet.total("aborts", "decode") == 1
     assert_no_leaks(fleet)

@@ -154,6 +154,8 @@ class BaseActor:
         """Relay a generate request's deltas to the job's requester.
 
         Backpressure: waits while the requester's reply buffer is full.
+        Cancellation: a requester that left ends the relay; the backend then
+        aborts the request on its worker.
         """
         async with backend.open_stream(request) as stream:
             while True:
@@ -161,7 +163,14 @@ class BaseActor:
                     delta = await stream.receive()
                 except trio.EndOfChannel:
                     return
-                await job.reply.send(delta)
+                try:
+                    await job.reply.send(delta)
+                except trio.BrokenResourceError:
+                    # The requester left; leaving the stream aborts the worker's
+                    # side.  Raising here instead would surface through the
+                    # backend's context manager and crash the actor.
+                    logger.debug("%s job of %s: requester left", self.stage, job.request_id)
+                    return
                 job.output_started = True
 
     # -- the actor machinery

@@ -54,9 +54,15 @@ StageEvent = Delta | StageOutput | StageFailure
 
 @dataclass(slots=True)
 class StageContext:
-    """A request plus what its earlier stages produced."""
+    """A request plus what its earlier stages produced.
+
+    ``wire_id`` is the id the workers see (``request_id`` plus a unique suffix,
+    so two clients reusing an id never collide on a worker); empty means the
+    request id itself.
+    """
 
     request: GenerationRequest
+    wire_id: str = ""
     ec_transfer_params: dict[str, object] | None = None
     kv_transfer_params: dict[str, object] | None = None
     prompt_tokens: int | None = None
@@ -109,7 +115,8 @@ class Job:
 
     @property
     def request_id(self) -> str:
-        return self.context.request.request_id
+        """The id this job's worker requests carry."""
+        return self.context.wire_id or self.context.request.request_id
 
     def add_compensation(self, compensation: Compensation) -> None:
         """Register an undo step before announcing the result it undoes."""

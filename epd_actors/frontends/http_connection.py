@@ -257,8 +257,10 @@ class HttpConnection:
             raise Unauthorized("missing or invalid admin key")
         hook = self.app.admin
         assert hook is not None
-        body = await self._read_json(headers) if method in ("POST", "PUT") else None
-        if body is None:
+        body: object = None
+        if method in ("POST", "PUT"):
+            body = await self._read_json(headers)  # a JSON null is a body too
+        else:
             await self._read_body(0)
         status, answer = await hook(method, path, body)
         await self._send_json(status, answer)

@@ -342,6 +342,7 @@ async def open_media_fetcher(
         transport: an httpx transport (tests pass ``httpx.MockTransport``).
 
     Cancellation: leaving the block closes the client's connections.
+    Backpressure: none here; each fetch bounds its own bytes and time.
     """
     import httpx
 

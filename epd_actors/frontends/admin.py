@@ -1,0 +1,98 @@
+"""Admin routes over a running router: list, register, drain and remove workers.
+
+Served by the HTTP front end under ``/admin/`` (only when an admin key is
+configured; every call must present it as ``Authorization: Bearer KEY``):
+
+=======  ===============================  ==========================================
+method   path                             effect
+=======  ===============================  ==========================================
+GET      /admin/workers                   every pool's workers and their state
+POST     /admin/workers                   add ``{"stage", "id", "address", "backend"}``
+POST     /admin/workers/{id}/drain        no new jobs to that worker; in-flight finish
+DELETE   /admin/workers/{id}              remove it (its in-flight jobs are cancelled)
+=======  ===============================  ==========================================
+
+Errors answer ``{"error": {"message", "type"}}`` with 400 (bad body), 404
+(unknown worker or route) or 405.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from ..config import BACKEND_KINDS, WorkerEndpoint
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..router import Router
+
+WORKERS = "/admin/workers"
+
+
+def _error(status: int, message: str) -> tuple[int, object]:
+    kind = {400: "invalid_request_error", 404: "not_found", 405: "method_not_allowed"}[status]
+    return status, {"error": {"message": message, "type": kind}}
+
+
+class RouterAdmin:
+    """The admin hook of :class:`~epd_actors.frontends.http_app.RouterHttpApp`."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def __call__(self, method: str, path: str, body: object) -> tuple[int, object]:
+        """Dispatch one admin call (see the module docstring)."""
+        if path == WORKERS:
+            if method == "GET":
+                return 200, self.workers()
+            if method == "POST":
+                return await self._add(body)
+            return _error(405, f"{method} is not allowed on {path}")
+        if path.startswith(WORKERS + "/"):
+            rest = path[len(WORKERS) + 1 :]
+            worker_id, _, action = rest.partition("/")
+            if method == "POST" and action == "drain":
+                return self._apply(self.router.drain_worker, worker_id, "draining")
+            if method == "DELETE" and not action:
+                return self._apply(self.router.remove_worker, worker_id, "removed")
+        return _error(404, f"no admin route {method} {path}")
+
+    def workers(self) -> dict[str, object]:
+        stats = self.router.statistics()
+        return {
+            "pools": {
+                stage: [asdict(member) for member in members]
+                for stage, members in stats.pools.items()
+            }
+        }
+
+    async def _add(self, body: object) -> tuple[int, object]:
+        if not isinstance(body, dict):
+            return _error(400, "expected a JSON object")
+        fields = {}
+        for name in ("stage", "id", "address"):
+            value = body.get(name)
+            if not isinstance(value, str) or not value:
+                return _error(400, f"{name!r} must be a non-empty string")
+            fields[name] = value
+        backend = body.get("backend", "native")
+        if backend not in BACKEND_KINDS:
+            return _error(400, f"'backend' must be one of {', '.join(BACKEND_KINDS)}")
+        endpoint = WorkerEndpoint(fields["id"], fields["address"], backend)
+        try:
+            await self.router.add_worker(fields["stage"], endpoint)
+        except ConfigError as exc:
+            return _error(400, str(exc))
+        return 201, {"id": endpoint.worker_id, "stage": fields["stage"], "status": "added"}
+
+    def _apply(
+        self, action: Callable[[str], None], worker_id: str, status: str
+    ) -> tuple[int, object]:
+        try:
+            action(worker_id)
+        except ConfigError as exc:
+            return _error(404, str(exc))
+        return 200, {"id": worker_id, "status": status}

@@ -1,0 +1,119 @@
+"""Run a router with its front ends, and stop it gracefully.
+
+Theory of operation: :func:`serve_router` opens the router, starts the HTTP
+server (and the WebSocket server when configured) with their connection tasks
+in a nursery of their own, reports the bound addresses, and serves until
+``stop`` is set (the CLI sets it on SIGTERM or SIGINT).  Then the shutdown
+ladder runs:
+
+1. stop accepting: the listeners close, new connections are refused;
+2. let in-flight requests finish, up to ``drain_timeout_s``;
+3. cancel what is left: their clients get an error and their workers an abort;
+4. close the worker connections as the router exits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import trio
+
+from .config_file import FileConfig, parse_host_port
+from .frontends.admin import RouterAdmin
+from .frontends.http import serve_http
+from .frontends.http_app import RouterHttpApp
+from .frontends.ws import serve_ws
+from .router import BackendFactory, Router, open_router
+
+if TYPE_CHECKING:
+    from .frontends.ws import WsServer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServingAddresses:
+    """Where the front ends listen once bound (port 0 resolved)."""
+
+    http: tuple[str, int]
+    ws: tuple[str, int] | None
+
+    @property
+    def http_url(self) -> str:
+        host, port = self.http
+        return f"http://{_url_host(host)}:{port}"
+
+    @property
+    def ws_url(self) -> str | None:
+        if self.ws is None:
+            return None
+        host, port = self.ws
+        return f"ws://{_url_host(host)}:{port}/v1/ws"
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def serve_router(
+    config: FileConfig,
+    *,
+    stop: trio.Event,
+    backend_factory: BackendFactory | None = None,
+    task_status: trio.TaskStatus[tuple[ServingAddresses, Router]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until ``stop`` is set, then drain (see the module docstring).
+
+    Reports ``(addresses, router)`` once every listener accepts.
+
+    Cancellation: cancelling skips the graceful steps: every request is
+    cancelled at once (workers are still told to abort, shielded and bounded).
+    """
+    server = config.server
+    async with open_router(config.router, backend_factory=backend_factory) as router:
+        app = RouterHttpApp(router)
+        app.admin = RouterAdmin(router)
+        async with trio.open_nursery() as connections:
+            async with trio.open_nursery() as acceptors:
+                host, port = parse_host_port(server.http_listen, key="server.http_listen")
+                listeners = await trio.open_tcp_listeners(port, host=host)
+                await acceptors.start(
+                    partial(
+                        serve_http,
+                        app,
+                        listeners,
+                        settings=server.http,
+                        handler_nursery=connections,
+                    )
+                )
+                http_address = (host, listeners[0].socket.getsockname()[1])
+                ws_address = None
+                if server.ws_listen is not None:
+                    ws_host, ws_port = parse_host_port(server.ws_listen, key="server.ws_listen")
+                    ws_server: WsServer = await acceptors.start(
+                        partial(
+                            serve_ws,
+                            router,
+                            ws_host,
+                            ws_port,
+                            settings=server.ws,
+                            handler_nursery=connections,
+                        )
+                    )
+                    ws_address = (ws_host, ws_server.port)
+                task_status.started((ServingAddresses(http_address, ws_address), router))
+                await stop.wait()
+                logger.info("stopping: no new connections; draining in-flight requests")
+                acceptors.cancel_scope.cancel(reason="router stopping")
+            with trio.move_on_after(server.drain_timeout_s) as drain:
+                await router.supervisor.wait_idle()
+            if drain.cancelled_caught:
+                logger.warning(
+                    "drain deadline of %.1fs passed with %d requests in flight; cancelling them",
+                    server.drain_timeout_s,
+                    router.supervisor.requests_in_flight,
+                )
+            connections.cancel_scope.cancel(reason="router stopped")
