@@ -164,12 +164,16 @@ class _StateCollector(Collector):
         worker_up = GaugeMetricFamily(
             "epd_worker_healthy", "1 when the worker can take work", labels=["stage", "worker"]
         )
+        aborts = CounterMetricFamily(
+            "epd_aborts_sent", "Aborts sent to workers", labels=["stage", "worker"]
+        )
         for stage, members in stats.pools.items():
             pool_in_flight.add_metric([stage], sum(m.in_flight for m in members))
             pool_usable.add_metric([stage], sum(m.usable for m in members))
             for member in members:
                 worker_in_flight.add_metric([stage, member.worker_id], member.in_flight)
                 worker_up.add_metric([stage, member.worker_id], 1.0 if member.usable else 0.0)
+                aborts.add_metric([stage, member.worker_id], member.aborts_sent)
         supervisor = stats.supervisor
         retries = CounterMetricFamily(
             "epd_retries", "Stage attempts retried on another worker", labels=["stage"]
@@ -192,4 +196,4 @@ class _StateCollector(Collector):
         for stage, count in supervisor.actor_restarts.items():
             restarts.add_metric([stage], count)
         yield from (pool_in_flight, pool_usable, worker_in_flight, worker_up, in_flight, restarts)
-        yield from (retries, queued, refusals)
+        yield from (retries, queued, refusals, aborts)

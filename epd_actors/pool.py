@@ -74,6 +74,8 @@ class MemberStatistics:
     in_flight: int
     served: int
     breaker: str
+    aborts_sent: int
+    worker_aborts: int | None
 
 
 class Lease:
@@ -191,6 +193,8 @@ class WorkerPool:
                     in_flight=member.in_flight,
                     served=member.served,
                     breaker=member.breaker.state.value,
+                    aborts_sent=status.aborts_sent,
+                    worker_aborts=status.worker_aborts,
                 )
             )
         return out

@@ -235,7 +235,9 @@ async def test_handshake_stores_welcome_and_heartbeats_report_load(autojump_cloc
     async with harness(WorkerLink(server.handle_stream)) as backend:
         assert backend.welcome == Welcome(PROTOCOL_VERSION, "w1", "decode", "tiny", (), 7)
         await trio.testing.wait_all_tasks_blocked()
-        assert backend.status() == BackendStatus(connected=True, draining=False, ready=True)
+        assert backend.status() == BackendStatus(
+            connected=True, draining=False, ready=True, worker_aborts=0
+        )
         async with trio.open_nursery() as nursery:
             for request_id in ("a", "b"):
                 nursery.start_soon(backend.run_stage, prefill(request_id))

@@ -34,12 +34,17 @@ class BackendStatus:
         draining: the worker said goodbye, or an operator drained it.
         ready: the engine answers (last heartbeat said so).
         worker_load: running + queued requests the worker last reported.
+        aborts_sent: aborts this router sent the worker (observability).
+        worker_aborts: aborts the worker last said it received, or None when
+            the worker does not report it.
     """
 
     connected: bool
     draining: bool
     ready: bool
     worker_load: int = 0
+    aborts_sent: int = 0
+    worker_aborts: int | None = None
 
 
 class DeltaStream(Protocol):

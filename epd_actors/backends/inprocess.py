@@ -89,6 +89,8 @@ class InProcessBackend:
             draining=self.draining,
             ready=self.engine.is_ready(),
             worker_load=self.in_flight,
+            aborts_sent=self.aborts_sent,
+            worker_aborts=self.aborts_sent,
         )
 
     def disconnect(self) -> None:

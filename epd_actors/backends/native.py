@@ -202,6 +202,8 @@ class NativeBackend:
             draining=self._draining,
             ready=self._conn is not None and stats is not None and stats.engine_ready,
             worker_load=0 if stats is None else stats.running + stats.queued,
+            aborts_sent=self._aborts_sent,
+            worker_aborts=None if stats is None else stats.aborts,
         )
 
     def statistics(self) -> NativeBackendStatistics:

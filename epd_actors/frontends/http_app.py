@@ -140,6 +140,9 @@ class RouterHttpApp:
                         "draining": m.draining,
                         "in_flight": m.in_flight,
                         "served": m.served,
+                        "breaker": m.breaker,
+                        "aborts_sent": m.aborts_sent,
+                        "worker_aborts": m.worker_aborts,
                     }
                     for m in members
                 ],

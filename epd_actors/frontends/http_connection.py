@@ -258,10 +258,11 @@ class HttpConnection:
         hook = self.app.admin
         assert hook is not None
         body: object = None
-        if method in ("POST", "PUT"):
+        bodiless = headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers
+        if method in ("POST", "PUT") and not bodiless:
             body = await self._read_json(headers)  # a JSON null is a body too
         else:
-            await self._read_body(0)
+            await self._read_body(0)  # an action such as POST .../drain needs no body
         status, answer = await hook(method, path, body)
         await self._send_json(status, answer)
 

@@ -151,12 +151,17 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class WorkerStats:
-    """A worker's load and readiness, carried on every :class:`Pong`."""
+    """A worker's load and readiness, carried on every :class:`Pong`.
+
+    ``aborts`` counts the ``Abort`` messages the worker received since it
+    started (all connections), so a router can see that aborts arrive.
+    """
 
     running: int
     queued: int
     draining: bool
     engine_ready: bool
+    aborts: int = 0
 
 
 # ---------------------------------------------------------------- messages

@@ -145,6 +145,7 @@ class WorkerServer:
             queued=self.queued,
             draining=self._draining,
             engine_ready=self.engine.is_ready(),
+            aborts=self.aborts_total,
         )
 
     async def serve(
