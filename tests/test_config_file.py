@@ -116,3 +116,34 @@ def test_check_config_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     broken.write_text("[pools\n")
     assert main(["check-config", str(broken)]) == 2
     assert "invalid TOML" in capsys.readouterr().err
+
+
+def test_every_settable_key_is_documented() -> None:
+    import dataclasses
+
+    from epd_actors.config import ActorLimits, AdmissionLimits, Deadlines
+    from epd_actors.frontends.http_app import HttpSettings
+    from epd_actors.frontends.media import MediaLimits
+    from epd_actors.frontends.ws import WsSettings
+    from epd_actors.health import HealthPolicy
+    from epd_actors.retry import RetryPolicy
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    internal = {"api_keys", "admin_keys", "media", "policy", "access_log"}
+    classes = (
+        ActorLimits,
+        AdmissionLimits,
+        Deadlines,
+        HttpSettings,
+        MediaLimits,
+        WsSettings,
+        HealthPolicy,
+        RetryPolicy,
+    )
+    missing = [
+        f"{cls.__name__}.{f.name}"
+        for cls in classes
+        for f in dataclasses.fields(cls)
+        if f.name not in internal and f"`{f.name}`" not in docs
+    ]
+    assert missing == []
