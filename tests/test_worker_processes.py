@@ -135,3 +135,18 @@ async def test_killed_worker_is_restarted_on_the_same_address(tmp_path: Path) ->
             client = await dial(address)
             await client.aclose()
         assert worker.exits == [-signal.SIGKILL, 0]
+
+
+async def test_worker_on_a_unix_socket(tmp_path: Path) -> None:
+    socket_path = tmp_path / "decode.sock"
+    spec = WorkerSpec(
+        "decode", "d-unix", ("--sim-store-dir", str(tmp_path)), listen=f"unix:{socket_path}"
+    )
+    with trio.fail_after(60):
+        async with open_local_workers([spec], env={AUTH_TOKEN_ENV: TOKEN}) as workers:
+            address = workers["d-unix"].address
+            assert address is not None
+            assert str(address) == f"unix:{socket_path}"
+            client = await dial(address)
+            await client.aclose()
+        assert workers["d-unix"].exits == [0]
