@@ -46,7 +46,7 @@ def encode(message: Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) 
     if struct_ is None:
         raise LocalProtocolError(f"not a wire message: {type(message).__name__}")
     try:
-        body = msgpack.packb(struct_.emit(message), use_bin_type=True)
+        body: bytes = msgpack.packb(struct_.emit(message), use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         # A value msgpack cannot carry: an int outside 64 bits, a str with lone
         # surrogates, a set or other foreign object inside a transfer-params map.
