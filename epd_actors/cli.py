@@ -5,6 +5,7 @@ Subcommands:
     serve         the router for real deployments: ``serve --config epd.toml``
     worker        one native worker process
     check-config  validate a configuration file and explain it
+    bench         a load generator for any OpenAI-compatible endpoint
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from functools import partial
 
 import trio
 
+from .bench.cli import add_bench_arguments, run_bench
 from .check_config import add_check_config_arguments, check_topology, run_check_config
 from .config_file import FileConfig, load_config, parse_host_port
 from .errors import ConfigError
@@ -25,7 +27,7 @@ from .local import add_local_arguments, run_local
 from .server import serve_router
 from .worker.cli import add_worker_arguments, run_worker
 
-COMMANDS = ("local", "serve", "worker", "check-config")
+COMMANDS = ("local", "serve", "worker", "check-config", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
         "check-config", parents=[common], help="validate a configuration file"
     )
     add_check_config_arguments(check)
+    bench = commands.add_parser(
+        "bench", parents=[common], help="load an OpenAI-compatible endpoint and summarise"
+    )
+    add_bench_arguments(bench)
     return parser
 
 
@@ -71,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": run_serve,
         "worker": run_worker,
         "check-config": run_check_config,
+        "bench": run_bench,
     }
     return runners[args.command](args)
 

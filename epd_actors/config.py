@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from .addresses import parse_address
+from .backends.native_settings import NativeSettings
+from .backends.openai_http_settings import OpenAIHttpSettings
 from .errors import ConfigError
 from .health import HealthPolicy
 from .limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS
 from .retry import RetryPolicy
 from .routing import POLICY_NAMES
 
-BACKEND_KINDS = ("native",)
+BACKEND_KINDS = ("native", "openai_http")
+"""``native``: an ``epd_actors worker`` (``tcp://HOST:PORT`` or ``unix:PATH``);
+``openai_http``: a stock ``vllm serve`` instance (``http(s)://HOST:PORT``)."""
 
 DEFAULT_POLICIES: dict[str, str] = {
     "encode": "consistent_hash",
@@ -32,8 +37,9 @@ class WorkerEndpoint:
 
     Attributes:
         worker_id: unique across the whole router.
-        address: ``tcp://HOST:PORT`` or ``unix:PATH`` (native backend).
-        backend: how to reach it (``native``).
+        address: ``tcp://HOST:PORT`` or ``unix:PATH`` (native backend), or
+            ``http(s)://HOST:PORT`` (``openai_http`` backend).
+        backend: how to reach it (``native`` or ``openai_http``).
     """
 
     worker_id: str
@@ -127,6 +133,9 @@ class RouterConfig:
             another worker.
         health: the per-worker circuit breaker thresholds.
         admission: the global in-flight limit.
+        native: connections to native workers (heartbeats, reconnects, buffers).
+        openai_http: connections to stock ``vllm serve`` workers (timeouts,
+            pools, health probes, the KV release policy).
     """
 
     pools: tuple[PoolConfig, ...]
@@ -137,6 +146,8 @@ class RouterConfig:
     retries: RetryPolicy = field(default_factory=RetryPolicy)
     health: HealthPolicy = field(default_factory=HealthPolicy)
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    native: NativeSettings = field(default_factory=NativeSettings)
+    openai_http: OpenAIHttpSettings = field(default_factory=OpenAIHttpSettings)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -151,6 +162,25 @@ class RouterConfig:
 def _positive(key: str, value: float) -> None:
     if not (value > 0 and math.isfinite(value)):
         raise ConfigError(f"{key} must be a positive number, got {value!r}")
+
+
+def check_http_url(text: str, *, key: str) -> None:
+    """Accept ``http(s)://HOST[:PORT][/PREFIX]`` (a vLLM server's base URL).
+
+    Raises:
+        ConfigError: naming ``key`` and what is wrong.
+    """
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{key}: {text!r} is not an http(s)://HOST:PORT URL")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ConfigError(f"{key}: {text!r} must not carry credentials, a query or a fragment")
+    try:
+        port = parts.port  # urlsplit checks the port only when it is read
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ConfigError(f"{key}: {text!r} has an invalid port")
 
 
 def validate(config: RouterConfig) -> None:
@@ -183,7 +213,10 @@ def validate(config: RouterConfig) -> None:
                     f"{worker_key}.backend: unknown backend {worker.backend!r} "
                     f"(choose from {', '.join(BACKEND_KINDS)})"
                 )
-            parse_address(worker.address, key=f"{worker_key}.address")
+            if worker.backend == "openai_http":
+                check_http_url(worker.address, key=f"{worker_key}.address")
+            else:
+                parse_address(worker.address, key=f"{worker_key}.address")
     deadlines = config.deadlines
     for name in (
         "request_timeout_s",

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from .backends.native_settings import NativeSettings
+from .backends.openai_http_settings import OpenAIHttpSettings
 from .config import (
     ActorLimits,
     AdmissionLimits,
@@ -200,6 +202,10 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     retries = read_settings(top.table("retries"), RetryPolicy)
     health = read_settings(top.table("health"), HealthPolicy)
     admission = read_settings(top.table("admission"), AdmissionLimits)
+    native = read_settings(top.table("native"), NativeSettings)
+    openai_http_table = top.table("openai_http")
+    api_key = openai_http_table.secret("api_key", env)
+    openai_http = read_settings(openai_http_table, OpenAIHttpSettings, api_key=api_key)
     pools_table = top.table("pools")
     pools = tuple(_pool(stage, table) for stage, table in pools_table.remaining_tables())
     top.done()
@@ -212,6 +218,8 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
         retries=retries,
         health=health,
         admission=admission,
+        native=native,
+        openai_http=openai_http,
     )
     return FileConfig(router, server)
 

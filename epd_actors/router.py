@@ -39,6 +39,7 @@ from .supervisor import Supervisor, SupervisorStatistics
 
 if TYPE_CHECKING:
     from .actors import ActorStatistics
+    from .backends.openai_http import OpenAIHttpBackendFactory, OpenAIHttpSettings
     from .request import GenerationEvent, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -46,15 +47,50 @@ logger = logging.getLogger(__name__)
 BackendFactory = Callable[[WorkerEndpoint, RouterConfig], ManagedBackend]
 
 
-def native_backend_factory(endpoint: WorkerEndpoint, config: RouterConfig) -> ManagedBackend:
-    """Build the native backend of ``endpoint``."""
-    from .backends.native import NativeBackend
+class DefaultBackendFactory:
+    """Builds each worker's backend by ``endpoint.backend``: ``native`` or ``openai_http``.
 
-    return NativeBackend(
-        endpoint.worker_id,
-        parse_address(endpoint.address),
-        auth_token=config.auth_token,
-    )
+    Use one per router: the ``openai_http`` backends it builds share one KV
+    hand-off ledger (see :mod:`epd_actors.backends.openai_http`).
+
+    Args:
+        openai_http: settings of the ``openai_http`` backends (default: the
+            router configuration's ``openai_http``).
+    """
+
+    def __init__(self, *, openai_http: OpenAIHttpSettings | None = None) -> None:
+        self._openai_http_settings = openai_http
+        self._openai_http: OpenAIHttpBackendFactory | None = None
+
+    def __call__(self, endpoint: WorkerEndpoint, config: RouterConfig) -> ManagedBackend:
+        if endpoint.backend == "openai_http":
+            if self._openai_http is None:
+                from .backends.openai_http import OpenAIHttpBackendFactory
+
+                settings = self._openai_http_settings or config.openai_http
+                self._openai_http = OpenAIHttpBackendFactory(settings)
+            return self._openai_http(endpoint, config)
+        from .backends.native import NativeBackend
+
+        return NativeBackend(
+            endpoint.worker_id,
+            parse_address(endpoint.address),
+            auth_token=config.auth_token,
+            settings=config.native,
+        )
+
+
+def default_backend_factory(endpoint: WorkerEndpoint, config: RouterConfig) -> ManagedBackend:
+    """Build the backend of ``endpoint`` by its kind (each call on its own).
+
+    :func:`open_router` uses a :class:`DefaultBackendFactory` per router
+    instead, so that its ``openai_http`` backends share their hand-off ledger.
+    """
+    return DefaultBackendFactory()(endpoint, config)
+
+
+native_backend_factory = default_backend_factory
+"""The former name of :func:`default_backend_factory`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,12 +221,13 @@ async def open_router(
 
     Args:
         config: pools, workers, deadlines and limits.
-        backend_factory: builds a backend per worker (default: native).
+        backend_factory: builds a backend per worker (default: a
+            :class:`DefaultBackendFactory`, by each worker's ``backend`` kind).
 
     Cancellation: leaving the block cancels every request and connection;
     workers are told to abort within shielded, bounded cleanups.
     """
-    factory = backend_factory or native_backend_factory
+    factory = backend_factory or DefaultBackendFactory()
     pools = {
         pool.stage: WorkerPool(
             pool.stage,

@@ -130,16 +130,14 @@ def test_every_settable_key_is_documented() -> None:
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     internal = {"api_keys", "admin_keys", "media", "policy", "access_log"}
+    assert "`api_key` /" in docs
+    from epd_actors.backends.native_settings import NativeSettings
+    from epd_actors.backends.openai_http_settings import OpenAIHttpSettings
+
     classes = (
-        ActorLimits,
-        AdmissionLimits,
-        Deadlines,
-        HttpSettings,
-        MediaLimits,
-        WsSettings,
-        HealthPolicy,
-        RetryPolicy,
-    )
+        ActorLimits, AdmissionLimits, Deadlines, HttpSettings, MediaLimits, WsSettings,
+        HealthPolicy, RetryPolicy, NativeSettings, OpenAIHttpSettings,
+    )  # fmt: skip
     missing = [
         f"{cls.__name__}.{f.name}"
         for cls in classes
@@ -147,3 +145,19 @@ def test_every_settable_key_is_documented() -> None:
         if f.name not in internal and f"`{f.name}`" not in docs
     ]
     assert missing == []
+
+
+def test_backend_settings_sections(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        MINIMAL
+        + "[native]\nheartbeat_interval_s = 0.5\nheartbeat_timeout_s = 2\n"
+        + "[openai_http]\nrelease_policy = 'consume'\napi_key_env = 'VLLM_KEY'\n"
+    )
+    config = load_config(path, environ={"VLLM_KEY": "sekret"})
+    assert config.router.native.heartbeat_interval_s == 0.5
+    assert config.router.openai_http.release_policy == "consume"
+    assert config.router.openai_http.api_key == "sekret"
+    path.write_text(MINIMAL + "[native]\nheartbeat_timeout_s = 0.1\n")
+    with pytest.raises(ConfigError, match="native"):
+        load_config(path, environ={})

@@ -1,0 +1,348 @@
+"""Shared helpers of the benchmark scripts: start processes on loopback, measure, stop.
+
+Everything here is synchronous and plain ``subprocess``: a scenario is a set
+of ``python -m epd_actors worker`` processes, optionally a router (``python -m
+epd_actors serve --config``) or a peer router in front of them, and a URL to
+load.  The load itself is one ``python -m epd_actors bench`` process per
+measurement, so its CPU never mixes with the router's.
+
+CPU time of a process comes from ``/proc/<pid>/stat`` (user + system clock
+ticks), read before and after a measurement.  The per-stage breakdown comes
+from the router's Prometheus ``/metrics`` (the ``_sum`` and ``_count`` of
+``epd_stage_duration_seconds`` and ``epd_queue_wait_seconds``), also read
+before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from contextlib import ExitStack
+    from pathlib import Path
+
+STARTUP_TIMEOUT_S = 60.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+ANNOUNCE = re.compile(r"(?:listening on|serving the OpenAI HTTP API on) (\S+)")
+ROUTER_ANNOUNCE = re.compile(r"router listening on (\S+)")
+# Fast, unpaced simulator: the router's cost dominates (the issue's standard case).
+FAST_SIM = ("--sim-output-token-s", "0", "--sim-tokens-per-delta", "16")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    # fields[0] is the state (field 3 of stat(5)); utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def taskset_prefix(cores: str | None) -> list[str]:
+    return [] if not cores else ["taskset", "-c", cores]
+
+
+class Process:
+    """A child process whose stdout we read until it announces a URL or address."""
+
+    def __init__(self, argv: list[str], *, env: dict[str, str], pattern: re.Pattern[str]) -> None:
+        self.argv = argv
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
+        self.announced = self._wait_for(pattern)
+
+    def _wait_for(self, pattern: re.Pattern[str]) -> str:
+        stdout: IO[str] | None = self.popen.stdout
+        assert stdout is not None
+        for line in stdout:
+            match = pattern.search(line)
+            if match:
+                return match.group(1)
+        self.popen.wait(timeout=5)
+        raise RuntimeError(f"{' '.join(self.argv[2:5])} exited ({self.popen.returncode})")
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+
+@dataclass
+class Scenario:
+    """One system under test: how to start it, and where to send load once it is up."""
+
+    name: str
+    description: str
+    # (role, extra worker args) for each worker process.
+    workers: list[tuple[str, tuple[str, ...]]]
+    # "native", "openai_http", "direct" (load the first worker), or "vllm-router".
+    kind: str = "native"
+    url: str = ""
+    router: Process | None = None
+    processes: list[Process] = field(default_factory=list)
+
+    @property
+    def router_pid(self) -> int | None:
+        return None if self.router is None else self.router.pid
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.processes if p is not self.router]
+
+
+def _python() -> list[str]:
+    return [sys.executable, "-m", "epd_actors"]
+
+
+def _env(token: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["EPD_AUTH_TOKEN"] = token
+    env.setdefault("PYTHONHASHSEED", "0")
+    return env
+
+
+def start_scenario(
+    scenario: Scenario,
+    stack: ExitStack,
+    workdir: Path,
+    *,
+    router_cores: str | None = None,
+    worker_cores: str | None = None,
+    vllm_router: str | None = None,
+    router_wrapper: tuple[str, ...] = (),
+) -> None:
+    """Start the scenario's processes (stopped when ``stack`` closes); sets ``scenario.url``.
+
+    ``router_wrapper`` goes before the router's own argv (e.g. a profiler's ``record --``).
+    """
+    token = secrets.token_urlsafe(16)
+    env = _env(token)
+    store = tempfile.mkdtemp(prefix=f"{scenario.name}-", dir=workdir)
+    openai = scenario.kind in ("openai_http", "direct", "vllm-router")
+    endpoints: list[tuple[str, str, str]] = []
+    for index, (role, extra) in enumerate(scenario.workers):
+        worker_id = f"{role}-{index}"
+        argv = [
+            *taskset_prefix(worker_cores),
+            *_python(),
+            "worker",
+            "--role",
+            role,
+            "--worker-id",
+            worker_id,
+            "--sim-store-dir",
+            store,
+            *(("--serve-openai",) if openai else ()),
+            *extra,
+        ]
+        process = Process(argv, env=env, pattern=ANNOUNCE)
+        stack.callback(process.stop)
+        scenario.processes.append(process)
+        endpoints.append((role, worker_id, process.announced))
+    if scenario.kind == "direct":
+        scenario.url = endpoints[0][2]
+        return
+    if scenario.kind == "vllm-router":
+        if vllm_router is None:
+            raise RuntimeError("the vllm-router scenario needs --vllm-router PATH")
+        _start_vllm_router(scenario, stack, endpoints, vllm_router, router_cores, env)
+        return
+    config = workdir / f"{scenario.name}.toml"
+    config.write_text(router_toml(endpoints, backend=scenario.kind), encoding="utf-8")
+    argv = [
+        *taskset_prefix(router_cores),
+        *router_wrapper,
+        *_python(),
+        "serve",
+        "--config",
+        str(config),
+        "--http-listen",
+        "127.0.0.1:0",
+    ]
+    router = Process(argv, env=env, pattern=ROUTER_ANNOUNCE)
+    stack.callback(router.stop)
+    scenario.router = router
+    scenario.url = router.announced
+
+
+def _start_vllm_router(
+    scenario: Scenario,
+    stack: ExitStack,
+    endpoints: list[tuple[str, str, str]],
+    binary: str,
+    cores: str | None,
+    env: dict[str, str],
+) -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [
+        *taskset_prefix(cores),
+        binary,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *(url for _, _, url in endpoints),
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warning",
+    ]
+    popen = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    if not wait_healthy(url + "/health", popen):
+        popen.kill()
+        raise RuntimeError("vllm-router did not become healthy")
+    process = Process.__new__(Process)
+    process.argv = argv
+    process.popen = popen
+    process.announced = url
+    stack.callback(process.stop)
+    scenario.router = process
+    scenario.url = url
+
+
+def wait_healthy(url: str, popen: subprocess.Popen[bytes], timeout_s: float = 30.0) -> bool:
+    import time
+
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        if popen.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)  # noqa: TID251 (a plain script, no event loop)
+    return False
+
+
+def router_toml(endpoints: list[tuple[str, str, str]], *, backend: str) -> str:
+    """A router configuration over ``endpoints`` ((role, id, address)), listening on loopback."""
+    lines = [
+        'model = "sim-model"',
+        'auth_token_env = "EPD_AUTH_TOKEN"',
+        "",
+        "[server]",
+        'http_listen = "127.0.0.1:0"',
+        "",
+    ]
+    pools: dict[str, list[str]] = {}
+    for role, worker_id, address in endpoints:
+        entry = f'{{ id = "{worker_id}", address = "{address}"'
+        if backend != "native":
+            entry += f', backend = "{backend}"'
+        pools.setdefault(role, []).append(entry + " }")
+    for role, entries in pools.items():
+        lines += [f"[pools.{role}]", f"workers = [{', '.join(entries)}]", ""]
+    return "\n".join(lines)
+
+
+def scrape_stage_metrics(url: str) -> dict[str, tuple[float, float]]:
+    """``{stage or "queue_wait": (sum_s, count)}`` from the router's ``/metrics``."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    values: dict[str, list[float]] = {}
+    pattern = re.compile(
+        r'^epd_(stage_duration|queue_wait)_seconds_(sum|count)(?:\{stage="([^"]+)"\})? (\S+)$'
+    )
+    for line in text.splitlines():
+        match = pattern.match(line)
+        if not match:
+            continue
+        family, part, stage, value = match.groups()
+        key = stage if family == "stage_duration" else "queue_wait"
+        slot = values.setdefault(key, [0.0, 0.0])
+        slot[0 if part == "sum" else 1] = float(value)
+    return {key: (pair[0], pair[1]) for key, pair in values.items()}
+
+
+def stage_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean seconds per observation of each stage between two scrapes."""
+    means = {}
+    for key, (total, count) in after.items():
+        total0, count0 = before.get(key, (0.0, 0.0))
+        if count - count0 > 0:
+            means[key] = (total - total0) / (count - count0)
+    return means
+
+
+def run_bench(
+    url: str,
+    *,
+    concurrency: int,
+    requests: int | None,
+    max_tokens: int,
+    cores: str | None,
+    out: Path,
+    warmup: int = 0,
+    extra: tuple[str, ...] = (),
+) -> dict[str, object]:
+    """One ``python -m epd_actors bench`` run; returns its JSON document.
+
+    ``requests`` None: pass ``--duration`` in ``extra`` instead.
+    """
+    argv = [
+        *taskset_prefix(cores),
+        *_python(),
+        "bench",
+        "--url",
+        url,
+        "--concurrency",
+        str(concurrency),
+        *(("--requests", str(requests)) if requests is not None else ()),
+        "--max-tokens",
+        str(max_tokens),
+        "--warmup",
+        str(warmup),
+        "--no-progress",
+        "--json",
+        str(out),
+        *extra,
+    ]
+    subprocess.run(argv, check=False, stdout=subprocess.DEVNULL, timeout=900)
+    document: dict[str, object] = json.loads(out.read_text(encoding="utf-8"))
+    return document
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")

@@ -1,0 +1,391 @@
+"""Router overhead: throughput, latency and router CPU per request, against a direct baseline.
+
+Starts every scenario's simulated workers (and router) on loopback, warms
+each up, then measures in interleaved rounds (round 1: every scenario at
+every concurrency, then round 2, ...), so slow drifts of a shared machine
+hit every scenario alike; the report takes medians over rounds.  Writes
+``benchmarks/results/<name>.json`` and, when matplotlib is importable, PNG
+plots next to it.  Stops everything on exit.
+
+    python benchmarks/run_router_overhead.py                       # defaults: ~3 minutes
+    python benchmarks/run_router_overhead.py --concurrency 1,8,32,128 --rounds 3 \\
+        --router-cores 0 --bench-cores 1                           # pinned (taskset)
+    python benchmarks/run_router_overhead.py --scenarios direct,native-epd \\
+        --vllm-router /path/to/vllm-router                         # add the peer router
+
+Scenarios (simulator: 0 s per output token, 16 tokens per delta):
+
+* ``direct``: load straight at one simulated PD worker serving vLLM's OpenAI
+  HTTP API (``worker --serve-openai``): no router at all.
+* ``native-pd``: the router (native backend) over that same one PD worker.
+* ``native-epd``: the router over E, P and D workers (native backend).
+* ``native-e-pd``: the router over E and PD workers (native backend).
+* ``http-epd``: the router's ``openai_http`` backend over E, P and D workers
+  that serve vLLM's HTTP API.
+* ``vllm-router``: vLLM's router (``pip install vllm-router``), round robin
+  over one PD worker serving the HTTP API (needs ``--vllm-router``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import (
+    FAST_SIM,
+    Scenario,
+    cpu_seconds,
+    median,
+    run_bench,
+    scrape_stage_metrics,
+    stage_means,
+    start_scenario,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def scenarios() -> dict[str, Scenario]:
+    sim = FAST_SIM
+    return {
+        s.name: s
+        for s in (
+            Scenario("direct", "one PD worker's own HTTP API, no router", [("pd", sim)], "direct"),
+            Scenario("native-pd", "router (native) over one PD worker", [("pd", sim)]),
+            Scenario(
+                "native-epd",
+                "router (native) over E+P+D",
+                [("encode", sim), ("prefill", sim), ("decode", sim)],
+            ),
+            Scenario("native-e-pd", "router (native) over E+PD", [("encode", sim), ("pd", sim)]),
+            Scenario(
+                "http-epd",
+                "router (openai_http backend) over E+P+D HTTP workers",
+                [("encode", sim), ("prefill", sim), ("decode", sim)],
+                "openai_http",
+            ),
+            Scenario(
+                "vllm-router", "vllm-router over one PD HTTP worker", [("pd", sim)], "vllm-router"
+            ),
+        )
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--name", default="router_overhead", help="results file stem")
+    parser.add_argument(
+        "--scenarios", default="direct,native-pd,native-epd,native-e-pd", help="comma-separated"
+    )
+    parser.add_argument("--concurrency", default="1,8,32,128", help="comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=200, help="per measurement (at least)")
+    parser.add_argument(
+        "--requests-per-client", type=int, default=4, help="raise --requests to conc x this"
+    )
+    parser.add_argument("--warmup", type=int, default=100, help="per scenario, before round 1")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--standard-concurrency", type=int, default=32)
+    parser.add_argument("--router-cores", default=None, help="taskset -c list for the router")
+    parser.add_argument("--bench-cores", default=None, help="taskset -c list for the bench")
+    parser.add_argument("--worker-cores", default=None, help="taskset -c list for the workers")
+    parser.add_argument("--vllm-router", default=None, help="path of the vllm-router program")
+    parser.add_argument("--out-dir", default=str(RESULTS), help="default benchmarks/results")
+    parser.add_argument("--no-plots", action="store_true")
+    return parser.parse_args(argv)
+
+
+def measure(scenario: Scenario, concurrency: int, args: argparse.Namespace, out: Path) -> dict:
+    requests = max(args.requests, concurrency * args.requests_per_client)
+    router_pid = scenario.router_pid
+    metrics_url = scenario.url if scenario.kind in ("native", "openai_http") else None
+    before = scrape_stage_metrics(metrics_url) if metrics_url else {}
+    cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
+    document = run_bench(
+        scenario.url,
+        concurrency=concurrency,
+        requests=requests,
+        max_tokens=args.max_tokens,
+        cores=args.bench_cores,
+        out=out,
+    )
+    cpu1 = cpu_seconds(router_pid) if router_pid else 0.0
+    after = scrape_stage_metrics(metrics_url) if metrics_url else {}
+    summary = document["summary"]
+    completed = summary["completed"]
+    router_cpu = cpu1 - cpu0
+    return {
+        "scenario": scenario.name,
+        "concurrency": concurrency,
+        "requests": summary["requests"],
+        "completed": completed,
+        "errors": summary["errors"],
+        "duration_s": summary["duration_s"],
+        "req_per_s": summary["request_rate"],
+        "tokens_per_s": summary["output_token_rate"],
+        "ttft_p50_ms": _ms(summary["ttft"]["p50"]),
+        "ttft_p99_ms": _ms(summary["ttft"]["p99"]),
+        "e2e_p50_ms": _ms(summary["e2e"]["p50"]),
+        "e2e_p99_ms": _ms(summary["e2e"]["p99"]),
+        "itl_p50_ms": _ms(summary["itl"]["p50"]),
+        "router_cpu_s": router_cpu if router_pid else None,
+        "router_cpu_ms_per_req": (
+            router_cpu / completed * 1000 if router_pid and completed else None
+        ),
+        "router_cpu_util": router_cpu / summary["duration_s"] if router_pid else None,
+        "bench_cpu_util": summary["client_cpu_util"],
+        "bench_cpu_ms_per_req": summary["client_cpu_s"] / max(1, summary["requests"]) * 1000,
+        "stage_mean_ms": {k: v * 1000 for k, v in stage_means(before, after).items()},
+    }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1000
+
+
+def aggregate(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """Medians over rounds, per (scenario, concurrency)."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["scenario"], row["concurrency"]), []).append(row)
+    table = []
+    for (name, concurrency), group in groups.items():
+        entry: dict[str, object] = {"scenario": name, "concurrency": concurrency}
+        for key in keys:
+            values = [r[key] for r in group if r[key] is not None]
+            entry[key] = median(values) if values else None
+        stages: dict[str, list[float]] = {}
+        for row in group:
+            for stage, value in row["stage_mean_ms"].items():
+                stages.setdefault(stage, []).append(value)
+        entry["stage_mean_ms"] = {stage: median(v) for stage, v in stages.items()}
+        entry["errors"] = sum(r["requests"] - r["completed"] for r in group)
+        entry["rounds"] = len(group)
+        table.append(entry)
+    return table
+
+
+KEYS = (
+    "req_per_s",
+    "tokens_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "e2e_p50_ms",
+    "e2e_p99_ms",
+    "itl_p50_ms",
+    "router_cpu_ms_per_req",
+    "router_cpu_util",
+    "bench_cpu_util",
+    "bench_cpu_ms_per_req",
+)
+
+
+def markdown_table(table: list[dict], standard: int) -> str:
+    direct = {e["concurrency"]: e["req_per_s"] for e in table if e["scenario"] == "direct"}
+    lines = [
+        "| scenario | conc | req/s | vs direct | tokens/s | TTFT p50 ms | TTFT p99 ms "
+        "| e2e p50 ms | router CPU ms/req | router CPU util | bench CPU util | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for e in sorted(table, key=lambda e: (e["scenario"], e["concurrency"])):
+        base = direct.get(e["concurrency"])
+        ratio = f"{e['req_per_s'] / base:.2f}" if base else "-"
+        mark = " *" if e["concurrency"] == standard else ""
+        lines.append(
+            f"| {e['scenario']} | {e['concurrency']}{mark} | {_f(e['req_per_s'], 0)} | {ratio} "
+            f"| {_f(e['tokens_per_s'], 0)} | {_f(e['ttft_p50_ms'], 1)} | {_f(e['ttft_p99_ms'], 1)} "
+            f"| {_f(e['e2e_p50_ms'], 1)} | {_f(e['router_cpu_ms_per_req'], 2)} "
+            f"| {_f(e['router_cpu_util'], 2)} | {_f(e['bench_cpu_util'], 2)} | {e['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def _f(value: object, digits: int) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def plot(table: list[dict], standard: int, stem: Path) -> list[str]:
+    """PNG plots next to the JSON; returns their file names (none without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plots", file=sys.stderr)
+        return []
+    names = sorted({e["scenario"] for e in table})
+    written = []
+
+    def series(name: str, key: str) -> tuple[list[int], list[float]]:
+        points = sorted(
+            (e["concurrency"], e[key])
+            for e in table
+            if e["scenario"] == name and e[key] is not None
+        )
+        return [p[0] for p in points], [p[1] for p in points]
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name in names:
+        for axis, key in zip(axes, ("ttft_p50_ms", "e2e_p50_ms", "req_per_s"), strict=True):
+            xs, ys = series(name, key)
+            axis.plot(xs, ys, marker="o", label=name)
+    for axis, title in zip(
+        axes, ("TTFT p50 (ms)", "end-to-end p50 (ms)", "throughput (req/s)"), strict=True
+    ):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrency")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(f"{stem}-latency.png", dpi=110)
+    plt.close(fig)
+    written.append(f"{stem.name}-latency.png")
+
+    fig, axis = plt.subplots(figsize=(6, 4.2))
+    for name in names:
+        xs, ys = series(name, "router_cpu_ms_per_req")
+        if xs:
+            axis.plot(xs, ys, marker="o", label=name)
+    axis.axhline(1.5, color="grey", linestyle="--", linewidth=1, label="target 1.5 ms")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("concurrency")
+    axis.set_ylabel("router CPU ms / request")
+    axis.set_title("router CPU per request")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(f"{stem}-router-cpu.png", dpi=110)
+    plt.close(fig)
+    written.append(f"{stem.name}-router-cpu.png")
+
+    at_standard = [e for e in table if e["concurrency"] == standard and e["stage_mean_ms"]]
+    if at_standard:
+        fig, axis = plt.subplots(figsize=(7, 4.2))
+        stages = sorted({s for e in at_standard for s in e["stage_mean_ms"]})
+        labels = [e["scenario"] for e in at_standard]
+        bottoms = [0.0] * len(at_standard)
+        for stage in stages:
+            heights = [e["stage_mean_ms"].get(stage, 0.0) for e in at_standard]
+            axis.bar(labels, heights, bottom=bottoms, label=stage)
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+        e2e = [e["e2e_p50_ms"] or 0.0 for e in at_standard]
+        axis.scatter(labels, e2e, color="black", marker="_", s=600, label="client e2e p50")
+        axis.set_ylabel("ms (mean per request, router's view)")
+        axis.set_title(f"per-stage time at concurrency {standard}")
+        axis.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(f"{stem}-stages.png", dpi=110)
+        plt.close(fig)
+        written.append(f"{stem.name}-stages.png")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so every started process is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    known = scenarios()
+    chosen = [known[n] for n in args.scenarios.split(",") if n]
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c]
+    results = Path(args.out_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
+        workdir = Path(tmp)
+        for scenario in chosen:
+            start_scenario(
+                scenario,
+                stack,
+                workdir,
+                router_cores=args.router_cores,
+                worker_cores=args.worker_cores,
+                vllm_router=args.vllm_router,
+            )
+            warm = run_bench(
+                scenario.url,
+                concurrency=min(32, max(concurrencies)),
+                requests=max(1, args.warmup),
+                max_tokens=args.max_tokens,
+                cores=args.bench_cores,
+                out=workdir / "warmup.json",
+            )
+            print(
+                f"{scenario.name}: up at {scenario.url}, warm-up "
+                f"{warm['summary']['completed']}/{warm['summary']['requests']} ok",
+                flush=True,
+            )
+        for round_index in range(args.rounds):
+            for concurrency in concurrencies:
+                for scenario in chosen:
+                    row = measure(scenario, concurrency, args, workdir / "run.json")
+                    row["round"] = round_index
+                    rows.append(row)
+                    print(
+                        f"round {round_index + 1} {scenario.name:<12} c={concurrency:<4} "
+                        f"{row['req_per_s']:8.1f} req/s  TTFT p50 {_f(row['ttft_p50_ms'], 1)} ms  "
+                        f"router {_f(row['router_cpu_ms_per_req'], 2)} ms/req  "
+                        f"errors {row['requests'] - row['completed']}",
+                        flush=True,
+                    )
+    table = aggregate(rows, KEYS)
+    stem = results / args.name
+    document = {
+        "name": args.name,
+        "settings": {
+            "scenarios": {s.name: s.description for s in chosen},
+            "concurrency": concurrencies,
+            "rounds": args.rounds,
+            "requests": args.requests,
+            "requests_per_client": args.requests_per_client,
+            "max_tokens": args.max_tokens,
+            "simulator": " ".join(FAST_SIM),
+            "router_cores": args.router_cores,
+            "bench_cores": args.bench_cores,
+            "worker_cores": args.worker_cores,
+        },
+        "machine": machine(),
+        "medians": table,
+        "rows": rows,
+    }
+    if not args.no_plots:
+        document["plots"] = plot(table, args.standard_concurrency, stem)
+    stem.with_suffix(".json").write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    print(markdown_table(table, args.standard_concurrency))
+    print(f"wrote {stem.with_suffix('.json').name} in {results.name}/")
+    return 0
+
+
+def machine() -> dict[str, object]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,775 @@
+"""The router's client for stock ``vllm serve`` instances: vLLM's OpenAI HTTP API, over httpx.
+
+Theory of operation
+-------------------
+An :class:`OpenAIHttpBackend` stands for one vLLM server (``http://HOST:PORT``).
+Its :meth:`~OpenAIHttpBackend.run` task owns one ``httpx.AsyncClient`` -- a
+connection pool bounded by :class:`OpenAIHttpSettings` -- reports "started" at
+once (a router must come up while a server is still loading its model), and
+then probes ``GET /health`` every ``health_interval_s`` over a connection of
+its own (never queued behind requests in a saturated pool).  Two
+:class:`~.openai_http_settings.Hysteresis` trackers turn the probes into
+``status()``: *connected* (the server answers HTTP at all) and *ready* (it
+answers 200).  ``failures_to_down`` bad probes in a row take a worker down,
+``successes_to_up`` good ones bring it back; a request that cannot even
+connect takes it down at once.
+
+Stage requests become vLLM's disaggregated contract
+(:mod:`.openai_http_contract` builds every body):
+
+* encode: one ``POST /v1/chat/completions`` per media item, concurrently; the
+  replies' ``ec_transfer_params`` are merged into the result;
+* prefill: one non-streamed POST; the whole (bounded) body is read and its
+  ``kv_transfer_params`` and ``usage.prompt_tokens`` returned;
+* generate (D and PD): one streamed POST; the stream's bytes are decoded into
+  protocol deltas as the caller reads them -- one delta per network read, not
+  per token.
+
+Errors are mapped once, in :meth:`OpenAIHttpBackend._mapped`: no connection
+-> ``WorkerDisconnected``; a lost connection -> ``WorkerDisconnected``; a
+timeout -> ``RemoteWorkerError(code="timeout", retryable=True)``; HTTP 429 and
+5xx -> ``RemoteWorkerError`` (retryable); other 4xx ->
+``RemoteWorkerError(code="invalid_request", retryable=False)`` carrying
+vLLM's message; a reply that breaks the contract ->
+``RemoteWorkerError(code="protocol_error", retryable=True)``.
+
+Cancellation.  A cancelled encode or prefill call, and a stream left before
+its last delta, close their HTTP connection; vLLM aborts a request whose
+client disconnected, and frees what it held (a prefill cancelled during its
+last step included, since vLLM 0.12's eager aborts).  Closing is shielded and
+bounded by ``CLEANUP_TIMEOUT_S``.
+
+Release.  Stock vLLM has no call that frees a finished prefill's KV blocks.
+:meth:`OpenAIHttpBackend.release` follows ``settings.release_policy``:
+``expire`` does nothing and returns False (P's connector frees the blocks when
+its lease, ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, runs out); ``consume`` sends
+a ready decoder a one-token copy of the decode request, which pulls the blocks
+and so frees them at once -- but only for hand-offs no decoder has accepted
+yet, tracked in a :class:`~.openai_http_settings.HandoffLedger` shared by the
+backends of one router (:class:`OpenAIHttpBackendFactory`).  docs/reliability.md
+weighs the two.
+
+httpx is used in this module only.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import secrets
+import ssl
+from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING
+
+import httpx
+import trio
+
+from .._groups import single_exception
+from ..config import check_http_url
+from ..errors import RemoteWorkerError, WorkerDisconnected
+from ..limits import CLEANUP_TIMEOUT_S
+from ..protocol import EncodeRequest, ErrorCode, StageResult
+from .base import BackendStatus
+from .openai_http_contract import (
+    DeltaParser,
+    HttpCall,
+    ReplyError,
+    SseDecoder,
+    StreamFailed,
+    consume_body,
+    encode_call,
+    encode_result,
+    error_message,
+    generate_call,
+    json_object,
+    prefill_call,
+    prefill_result,
+)
+from .openai_http_settings import (
+    DEFAULT_SETTINGS,
+    HandoffLedger,
+    Hysteresis,
+    OpenAIHttpSettings,
+    OpenAIHttpStatistics,
+    Replay,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterator
+
+    from ..config import RouterConfig, WorkerEndpoint
+    from ..protocol import Delta, GenerateRequest, PrefillRequest
+
+__all__ = [
+    "DEFAULT_SETTINGS",
+    "OpenAIHttpBackend",
+    "OpenAIHttpBackendFactory",
+    "OpenAIHttpDeltaStream",
+    "OpenAIHttpSettings",
+    "OpenAIHttpStatistics",
+]
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE_STATUSES = frozenset({408, 425, 429})
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One TLS context (system trust store) for every client of the process.
+
+    httpx would build one per client, loading the CA bundle each time (about
+    0.2 s apiece here); a router has two clients per worker.
+    """
+    return ssl.create_default_context()
+
+
+_DRAIN_S = 1.0
+"""How long a finished stream may take to deliver the end of its body (seconds)."""
+
+
+class _Reply:
+    """One HTTP response whose body is read through one iterator, and finished cleanly.
+
+    httpx's body iterators are nested async generators; one left suspended is
+    finalized by the garbage collector, and Trio warns about it.  So a body is
+    always run to its end: read to EOF when the answer is complete (the
+    connection then goes back to the pool), or after closing the response
+    (the connection is closed, so vLLM aborts the request, and the iterators
+    end at once with a read error).
+    """
+
+    __slots__ = ("chunks", "complete", "response")
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.chunks: AsyncIterator[bytes] = response.aiter_bytes()
+        self.complete = False
+
+    @property
+    def status(self) -> int:
+        return self.response.status_code
+
+    async def read_all(self, limit: int) -> bytes:
+        """The whole body.
+
+        Raises:
+            ReplyError: more than ``limit`` bytes.
+        """
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks:
+            size += len(chunk)
+            if size > limit:
+                raise ReplyError(f"the reply exceeds {limit} bytes")
+            chunks.append(chunk)
+        self.complete = True
+        return b"".join(chunks)
+
+    async def finish(self) -> None:
+        """Drain (a complete answer) or close, then run the body iterator out.
+
+        Cancellation: shielded, bounded by ``CLEANUP_TIMEOUT_S``.
+        """
+        with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+            if self.complete:
+                with trio.move_on_after(_DRAIN_S):
+                    await self._run_out()
+            await self.response.aclose()
+            await self._run_out()
+
+    async def _run_out(self) -> None:
+        try:
+            async for _ in self.chunks:
+                pass
+        except (httpx.HTTPError, httpx.StreamError) as exc:
+            logger.debug("discarding the rest of a closed response: %r", exc)
+
+
+class OpenAIHttpDeltaStream:
+    """The deltas of one streamed generate request (a ``DeltaStream``).
+
+    Backpressure: reads the response only when the caller asks for the next
+    delta; everything already received is merged into that one delta.
+    """
+
+    def __init__(self, backend: OpenAIHttpBackend, call: HttpCall, reply: _Reply) -> None:
+        self._backend = backend
+        self._call = call
+        self._reply = reply
+        self._decoder = SseDecoder(backend.settings.max_event_bytes)
+        self._parser = DeltaParser(call.request_id, chat=call.chat)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the terminal delta has been returned."""
+        return self._parser.terminal_sent
+
+    async def receive(self) -> Delta:
+        """The next delta; ``trio.EndOfChannel`` after the terminal one.
+
+        Raises:
+            WorkerDisconnected: the connection broke, or the stream ended
+                without a finish reason.
+            RemoteWorkerError: vLLM reported an error in the stream
+                (``engine_error``), a timeout, or a malformed chunk.
+
+        Cancellation: safe; the stream's owner closes the connection.
+        """
+        if self._parser.terminal_sent:
+            raise trio.EndOfChannel
+        backend, request_id = self._backend, self._call.request_id
+        while True:
+            delta = self._parser.take()
+            if delta is not None:
+                self._reply.complete = self._parser.terminal_sent
+                return delta
+            with backend._mapped("generate", request_id):
+                chunk = await anext(self._reply.chunks, None)
+                if chunk is None:
+                    self._reply.complete = True
+                    final = self._parser.end_of_stream()
+                    if final is None:
+                        raise WorkerDisconnected(
+                            f"worker {backend.worker_id} ended the stream of {request_id!r} "
+                            "without a finish reason"
+                        )
+                    return final
+                try:
+                    self._parser.feed(self._decoder.feed(chunk))
+                except StreamFailed as exc:
+                    backend._request_failures += 1
+                    raise RemoteWorkerError(
+                        ErrorCode.ENGINE_ERROR,
+                        str(exc),
+                        retryable=True,
+                        worker_id=backend.worker_id,
+                        stage="generate",
+                        request_id=request_id,
+                    ) from None
+
+
+class OpenAIHttpBackend:
+    """One ``vllm serve`` instance, as the stage actors see it (a ``ManagedBackend``).
+
+    See the module docstring for health, the contract, errors and release.
+
+    Args:
+        worker_id: the router's name for the worker (logs, errors).
+        base_url: ``http://HOST:PORT`` (a path prefix is allowed).
+        model: the served model name put in every body.
+        settings: timeouts, limits, probing, release policy.
+        ledger: hand-offs shared with the router's other ``openai_http``
+            backends (default: a private one, which makes ``consume`` a no-op).
+        stage: the pool the worker serves, for error reports.
+        transport: an httpx transport (tests); default: TCP with the settings' limits.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        base_url: str,
+        *,
+        model: str,
+        settings: OpenAIHttpSettings = DEFAULT_SETTINGS,
+        ledger: HandoffLedger | None = None,
+        stage: str = "",
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.settings = settings
+        self.stage = stage
+        if ledger is None:
+            ledger = HandoffLedger(capacity=settings.ledger_capacity, lease_s=settings.kv_lease_s)
+        self.ledger = ledger
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._running = False
+        self._reachable = Hysteresis(
+            failures_to_down=settings.failures_to_down, successes_to_up=settings.successes_to_up
+        )
+        self._healthy = Hysteresis(
+            failures_to_down=settings.failures_to_down, successes_to_up=settings.successes_to_up
+        )
+        self._changed = trio.Event()
+        self._in_flight = 0
+        self._aborts_sent = 0  # requests closed before their answer (vLLM aborts them)
+        self._probes = 0
+        self._probe_failures = 0
+        self._requests = 0
+        self._request_failures = 0
+        self._releases_expired = 0
+        self._releases_consumed = 0
+
+    def __repr__(self) -> str:
+        state = "ready" if self.status().ready else "down"
+        return f"<OpenAIHttpBackend {self.worker_id} {self.base_url} {state}>"
+
+    # ------------------------------------------------------------ introspection
+
+    def status(self) -> BackendStatus:
+        """What the latest probes say (no I/O); load is this router's open requests."""
+        reachable = self._reachable.up
+        return BackendStatus(
+            connected=reachable,
+            draining=False,
+            ready=reachable and self._healthy.up,
+            worker_load=self._in_flight,
+            aborts_sent=self._aborts_sent,
+        )
+
+    def statistics(self) -> OpenAIHttpStatistics:
+        """A snapshot of the counters (cheap; safe at any time)."""
+        status = self.status()
+        return OpenAIHttpStatistics(
+            worker_id=self.worker_id,
+            connected=status.connected,
+            ready=status.ready,
+            in_flight=self._in_flight,
+            probes=self._probes,
+            probe_failures=self._probe_failures,
+            requests=self._requests,
+            request_failures=self._request_failures,
+            releases_expired=self._releases_expired,
+            releases_consumed=self._releases_consumed,
+        )
+
+    async def wait_connected(self) -> None:
+        """Return once the server answers HTTP (at once if it does).
+
+        Cancellation: safe.
+        """
+        while not self.status().connected:
+            await self._changed.wait()
+        await trio.lowlevel.checkpoint()
+
+    async def wait_ready(self) -> None:
+        """Return once ``GET /health`` answers 200 (hysteresis applied).
+
+        Cancellation: safe.
+        """
+        while not self.status().ready:
+            await self._changed.wait()
+        await trio.lowlevel.checkpoint()
+
+    # ------------------------------------------------------------ health
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the connection pool and probe ``/health`` until cancelled.
+
+        Reports started at once, before the first probe.
+
+        Raises:
+            trio.BusyResourceError: ``run`` is already running for this backend.
+
+        Cancellation: closes every connection (requests in flight then fail
+        with ``WorkerDisconnected``); the backend reads as down afterwards.
+        Resource handling: the client is closed on every exit, shielded and
+        bounded by ``CLEANUP_TIMEOUT_S``.
+        """
+        if self._running:
+            raise trio.BusyResourceError(f"{self!r} is already running")
+        self._running = True
+        client = self._new_client(self.settings.max_connections)
+        # Probes get a connection of their own: a pool saturated by requests
+        # must not make a busy worker look dead.
+        prober = self._new_client(1)
+        self._client = client
+        try:
+            task_status.started()
+            while True:
+                await self._probe(prober)
+                await trio.sleep(self.settings.health_interval_s)
+        finally:
+            self._client = None
+            self._running = False
+            self._set_down("its backend stopped", expected=True)
+            self.ledger.remove_consumer(self)
+            with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+                await prober.aclose()
+                await client.aclose()
+
+    def _new_client(self, max_connections: int) -> httpx.AsyncClient:
+        s = self.settings
+        headers = {"authorization": f"Bearer {s.api_key}"} if s.api_key else None
+        transport = self._transport or httpx.AsyncHTTPTransport(
+            verify=_tls_context(),
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=min(max_connections, s.max_keepalive_connections),
+                keepalive_expiry=s.keepalive_expiry_s,
+            ),
+        )
+        return httpx.AsyncClient(
+            base_url=self.base_url,
+            transport=transport,
+            timeout=httpx.Timeout(
+                connect=s.connect_timeout_s,
+                read=s.read_timeout_s,
+                write=s.write_timeout_s,
+                pool=s.pool_timeout_s,
+            ),
+            headers=headers,
+            follow_redirects=False,
+            # Workers are reached directly; proxy settings from the environment
+            # would silently route loopback and cluster traffic elsewhere.
+            trust_env=False,
+        )
+
+    async def _probe(self, client: httpx.AsyncClient) -> None:
+        """One ``GET /health``; feeds both hysteresis trackers."""
+        self._probes += 1
+        status: int | None = None
+        with trio.move_on_after(self.settings.health_timeout_s):
+            try:
+                response = await client.get("/health")
+            except httpx.HTTPError as exc:
+                logger.debug("worker %s: health probe failed: %r", self.worker_id, exc)
+            else:
+                status = response.status_code
+        if status != 200:
+            self._probe_failures += 1
+        changed = self._reachable.observe(status is not None)
+        changed |= self._healthy.observe(status == 200)
+        if changed:
+            self._announce(f"/health answered {status}" if status else "no answer to /health")
+
+    def _announce(self, why: str, *, expected: bool = False) -> None:
+        status = self.status()
+        if status.ready:
+            logger.info("worker %s at %s is ready", self.worker_id, self.base_url)
+        else:
+            logger.log(
+                logging.DEBUG if expected else logging.WARNING,
+                "worker %s at %s is down (connected=%s): %s",
+                self.worker_id,
+                self.base_url,
+                status.connected,
+                why,
+            )
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _set_down(self, why: str, *, expected: bool = False) -> None:
+        if self._reachable.force_down() | self._healthy.force_down():
+            self._announce(why, expected=expected)
+
+    # ------------------------------------------------------------ error mapping
+
+    @contextmanager
+    def _mapped(self, stage: str, request_id: str) -> Iterator[None]:
+        """Translate httpx and contract errors into the router's error tree (once, here)."""
+        where = f"worker {self.worker_id} at {self.base_url}"
+        try:
+            yield
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self._request_failures += 1
+            self._set_down(f"cannot connect: {exc!r}")
+            raise WorkerDisconnected(f"{where}: cannot connect ({exc!r})") from exc
+        except httpx.TimeoutException as exc:
+            self._request_failures += 1
+            raise self._remote(
+                "timeout", f"{type(exc).__name__}: no answer in time", stage, request_id, True
+            ) from exc
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+            self._request_failures += 1
+            raise WorkerDisconnected(f"{where}: connection lost ({exc!r})") from exc
+        except httpx.HTTPError as exc:
+            self._request_failures += 1
+            raise self._remote(
+                ErrorCode.PROTOCOL_ERROR, repr(exc), stage, request_id, True
+            ) from exc
+        except ReplyError as exc:
+            self._request_failures += 1
+            raise self._remote(
+                ErrorCode.PROTOCOL_ERROR, f"bad reply: {exc}", stage, request_id, True
+            ) from exc
+
+    def _remote(
+        self, code: str, message: str, stage: str, request_id: str, retryable: bool
+    ) -> RemoteWorkerError:
+        return RemoteWorkerError(
+            code,
+            message,
+            retryable=retryable,
+            worker_id=self.worker_id,
+            stage=stage,
+            request_id=request_id,
+        )
+
+    def _status_error(
+        self, status: int, data: bytes, stage: str, request_id: str
+    ) -> RemoteWorkerError:
+        """A non-200 answer: 429 and 5xx may succeed elsewhere, other 4xx never."""
+        self._request_failures += 1
+        message = f"HTTP {status}: {error_message(data)}"
+        if status >= 500 or status in _RETRYABLE_STATUSES:
+            code = ErrorCode.OVERLOADED if status in (429, 503) else ErrorCode.ENGINE_ERROR
+            return self._remote(code, message, stage, request_id, True)
+        return self._remote(ErrorCode.INVALID_REQUEST, message, stage, request_id, False)
+
+    def _require_client(self) -> httpx.AsyncClient:
+        client = self._client
+        if client is None:
+            raise WorkerDisconnected(
+                f"worker {self.worker_id} at {self.base_url}: its backend is not running"
+            )
+        return client
+
+    # ------------------------------------------------------------ requests
+
+    async def _send(self, client: httpx.AsyncClient, call: HttpCall) -> _Reply:
+        """Send ``call``; return once the status line and headers arrived.
+
+        The caller must ``finish()`` the reply.
+        """
+        request = client.build_request(
+            "POST", call.path, json=call.body, headers={"x-request-id": call.request_id}
+        )
+        return _Reply(await client.send(request, stream=True))
+
+    async def _post(self, call: HttpCall, stage: str) -> dict[str, object]:
+        """POST ``call`` and return its JSON reply (see the module docstring for errors).
+
+        Cancellation: the connection is closed, so vLLM aborts the request.
+        """
+        client = self._require_client()
+        self._requests += 1
+        self._in_flight += 1
+        answered = False
+        try:
+            with self._mapped(stage, call.request_id):
+                reply = await self._send(client, call)
+                try:
+                    data = await reply.read_all(self.settings.max_response_bytes)
+                    answered = True
+                finally:
+                    await reply.finish()
+                if reply.status != 200:
+                    raise self._status_error(reply.status, data, stage, call.request_id)
+                return json_object(data)
+        finally:
+            self._in_flight -= 1
+            self._aborts_sent += not answered
+
+    async def run_stage(self, request: EncodeRequest | PrefillRequest) -> StageResult:
+        """Run an encode or prefill request on the vLLM server.
+
+        Raises:
+            RemoteWorkerError: vLLM answered with an error, too late, or off-contract.
+            WorkerDisconnected: no connection, or it broke.
+            InvalidRequest: the request cannot be expressed as an OpenAI body.
+
+        Cancellation: every open HTTP request is closed (vLLM aborts them).
+        Backpressure: waits for a pooled connection (``pool_timeout_s``).
+        """
+        if isinstance(request, EncodeRequest):
+            return await self._encode(request)
+        return await self._prefill(request)
+
+    async def _encode(self, request: EncodeRequest) -> StageResult:
+        """One call per media item, concurrently; their encoder params merged."""
+        found: list[dict[str, object] | None] = [None] * len(request.media)
+
+        async def one(index: int) -> None:
+            call = encode_call(request, index, model=self.model, suffix=secrets.token_hex(3))
+            reply = await self._post(call, "encode")
+            with self._mapped("encode", call.request_id):
+                found[index] = encode_result(call.request_id, reply).ec_transfer_params
+
+        if len(request.media) == 1:
+            await one(0)
+        else:
+            with single_exception():
+                async with trio.open_nursery() as nursery:
+                    for index in range(len(request.media)):
+                        nursery.start_soon(one, index, name=f"encode:{request.request_id}:{index}")
+        merged: dict[str, object] = {}
+        for params in found:
+            merged.update(params or {})
+        return StageResult(request.request_id, ec_transfer_params=merged or None)
+
+    async def _prefill(self, request: PrefillRequest) -> StageResult:
+        call = prefill_call(
+            request, model=self.model, return_token_ids=self.settings.return_token_ids
+        )
+        reply = await self._post(call, "prefill")
+        with self._mapped("prefill", call.request_id):
+            result = prefill_result(call.request_id, reply)
+        kv = result.kv_transfer_params
+        if kv is not None and self.settings.release_policy == "consume":
+            replay = Replay(
+                call.path, consume_body(call.body, kv), call.request_id, trio.current_time()
+            )
+            self.ledger.record(kv, replay)
+        return result
+
+    @asynccontextmanager
+    async def open_stream(self, request: GenerateRequest) -> AsyncIterator[OpenAIHttpDeltaStream]:
+        """Send a streamed generate request; the context yields its delta stream.
+
+        Raises:
+            RemoteWorkerError: vLLM refused the request (on entry) or failed mid-stream.
+            WorkerDisconnected: no connection, or it broke.
+
+        Cancellation: leaving the context before the terminal delta closes the
+        connection; vLLM aborts the request (and, for D, tells P to free the
+        KV blocks it was pulling).  Closing is shielded and bounded.
+        Backpressure: see :meth:`OpenAIHttpDeltaStream.receive`.
+        """
+        call = generate_call(
+            request, model=self.model, return_token_ids=self.settings.return_token_ids
+        )
+        client = self._require_client()
+        kv = request.kv_transfer_params
+        if kv is not None:
+            self.ledger.add_consumer(self)
+        self._requests += 1
+        self._in_flight += 1
+        try:
+            with self._mapped("generate", call.request_id):
+                reply = await self._send(client, call)
+            try:
+                if reply.status != 200:
+                    with self._mapped("generate", call.request_id):
+                        data = await reply.read_all(self.settings.max_response_bytes)
+                    raise self._status_error(reply.status, data, "generate", call.request_id)
+                if kv is not None:
+                    # vLLM has the request now: from here on it frees P's blocks
+                    # itself, also when D is aborted (NIXL notifies P).
+                    self.ledger.delivered(kv)
+                stream = OpenAIHttpDeltaStream(self, call, reply)
+                try:
+                    yield stream
+                finally:
+                    if not stream.finished:
+                        self._aborts_sent += 1
+                        logger.debug(
+                            "worker %s: closing the stream of %r early",
+                            self.worker_id,
+                            call.request_id,
+                        )
+            finally:
+                await reply.finish()
+        finally:
+            self._in_flight -= 1
+
+    # ------------------------------------------------------------ release
+
+    async def release(self, kv_transfer_params: dict[str, object]) -> bool:
+        """Free a prefill's KV blocks that no decoder will claim, as far as vLLM allows.
+
+        ``expire``: nothing to do; returns False (P's lease frees the blocks).
+        ``consume``: if no decoder accepted this hand-off yet and one is ready,
+        it is sent the one-token decode request; True once it answered.
+
+        Raises:
+            RemoteWorkerError, WorkerDisconnected: the consuming decoder failed.
+
+        Cancellation: the consume request is closed (the decoder aborts it and
+        tells P, which frees the blocks just the same).
+        Backpressure: waits for a pooled connection to the decoder.
+        """
+        if self.settings.release_policy == "consume":
+            replay = self.ledger.take(kv_transfer_params, trio.current_time())
+            if replay is None:
+                logger.debug(
+                    "worker %s: KV hand-off already with a decoder (or past its lease)",
+                    self.worker_id,
+                )
+                await trio.lowlevel.checkpoint()
+                return False
+            consumer = self.ledger.pick_consumer()
+            if consumer is not None:
+                consumed = await consumer.consume(replay)
+                self._releases_consumed += consumed
+                return consumed
+            logger.warning(
+                "worker %s: no decoder is ready to consume the KV blocks of %r",
+                self.worker_id,
+                replay.request_id,
+            )
+        self._releases_expired += 1
+        logger.info(
+            "worker %s: the KV blocks of a request that never reached a decoder stay on "
+            "the prefill worker until its connector's lease expires",
+            self.worker_id,
+        )
+        await trio.lowlevel.checkpoint()
+        return False
+
+    async def consume(self, replay: Replay) -> bool:
+        """Decode ``replay`` (one token, not streamed) so the decoder pulls P's blocks.
+
+        Raises:
+            RemoteWorkerError, WorkerDisconnected: as for a stage call.
+
+        Cancellation: the request is closed; vLLM aborts it.
+        Backpressure: waits for a pooled connection.
+        """
+        call = HttpCall(replay.path, replay.body, replay.request_id)
+        await self._post(call, "release")
+        logger.info(
+            "worker %s consumed the unclaimed KV blocks of %r", self.worker_id, replay.request_id
+        )
+        return True
+
+    async def models(self) -> dict[str, object]:
+        """The server's ``GET /v1/models`` answer, as it sent it.
+
+        Raises:
+            RemoteWorkerError, WorkerDisconnected: as for a stage call.
+
+        Cancellation: safe; the connection is closed.
+        Backpressure: waits for a pooled connection.
+        """
+        client = self._require_client()
+        with self._mapped("models", "models"):
+            reply = _Reply(
+                await client.send(client.build_request("GET", "/v1/models"), stream=True)
+            )
+            try:
+                data = await reply.read_all(self.settings.max_response_bytes)
+            finally:
+                await reply.finish()
+            if reply.status != 200:
+                raise self._status_error(reply.status, data, "models", "models")
+            return json_object(data)
+
+
+class OpenAIHttpBackendFactory:
+    """Builds the ``openai_http`` backends of one router; they share one hand-off ledger.
+
+    Workers of the router's ``decode`` pool are registered as consumers at
+    once; a worker added later becomes one when it first serves a decode.
+
+    Args:
+        settings: applied to every backend built.
+    """
+
+    def __init__(self, settings: OpenAIHttpSettings = DEFAULT_SETTINGS) -> None:
+        self.settings = settings
+        self.ledger = HandoffLedger(capacity=settings.ledger_capacity, lease_s=settings.kv_lease_s)
+
+    def __call__(self, endpoint: WorkerEndpoint, config: RouterConfig) -> OpenAIHttpBackend:
+        """Build the backend of ``endpoint``.
+
+        Raises:
+            ConfigError: the address is not an ``http(s)://`` URL (a worker
+                added at run time has not been validated with the config).
+        """
+        check_http_url(endpoint.address, key=f"worker {endpoint.worker_id!r} address")
+        stage = next((p.stage for p in config.pools if endpoint in p.workers), "")
+        backend = OpenAIHttpBackend(
+            endpoint.worker_id,
+            endpoint.address,
+            model=config.model,
+            settings=self.settings,
+            ledger=self.ledger,
+            stage=stage,
+        )
+        if stage == "decode":
+            self.ledger.add_consumer(backend)
+        return backend

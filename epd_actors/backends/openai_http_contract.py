@@ -1,0 +1,597 @@
+"""vLLM's disaggregated-serving HTTP contract, sans-IO: request bodies out, replies and SSE in.
+
+Theory of operation
+-------------------
+The router's stage requests carry a request as the router understood it -- a
+:class:`~epd_actors.protocol.Prompt`, media items and sampling parameters --
+not the client's JSON.  :func:`openai_request` rebuilds an OpenAI body from
+them; it is the only place that conversion happens.  The stage rules of vLLM's
+disaggregated contract (docs/deployment.md, DESIGN.md "The vLLM HTTP
+contract") are then small transforms of that body:
+
+* **E** (:func:`encode_call`): a chat request with exactly one media item and
+  no text, ``max_tokens: 1``, ``stream: false``; header ``x-request-id:
+  <request id>:<item>:<suffix>``.
+* **P** (:func:`prefill_body`): the original body with the six-field
+  remote-decode ``kv_transfer_params``, ``stream: false``, ``max_tokens: 1``
+  (and ``max_completion_tokens: 1`` when present), no ``stream_options``, no
+  ``min_tokens``; encoder transfer params merged in.
+* **D / PD** (:func:`stream_body`): the original body streamed with
+  ``stream_options.include_usage``, plus P's ``kv_transfer_params`` for D.
+* **Release by consumption** (:func:`consume_body`): the D body, made
+  one-token and non-streaming, so a decoder pulls (and thereby frees) blocks
+  that no real decode will ever claim.
+
+Replies: :func:`encode_result` and :func:`prefill_result` read E's and P's JSON
+bodies; :class:`SseDecoder` splits a response byte stream into server-sent
+events (bounded), and :class:`DeltaParser` turns vLLM's stream chunks into
+protocol :class:`~epd_actors.protocol.Delta`s.  vLLM sends the finish reason in
+one chunk and the usage in a later one, so the parser holds the finish reason
+back until the usage chunk or ``[DONE]`` arrives and emits one terminal delta
+with both.  Every event parsed from one network read is merged into a single
+delta, so a burst of tokens costs the router one hand-off, not one per token.
+
+Nothing here does I/O or imports httpx; :mod:`.openai_http` does both.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from ..errors import InvalidRequest
+from ..protocol import Delta, StageResult, Usage
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ..protocol import (
+        ChatMessage,
+        EncodeRequest,
+        GenerateRequest,
+        MediaItem,
+        PrefillRequest,
+        Prompt,
+        SamplingParams,
+    )
+
+CHAT_PATH: Final = "/v1/chat/completions"
+COMPLETIONS_PATH: Final = "/v1/completions"
+
+_DATA_URL_PARTS: Final = {"image": "image_url", "audio": "audio_url", "video": "video_url"}
+_INPUT_AUDIO_FORMATS: Final = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/mpeg": "mp3"}
+_DONE: Final = "[DONE]"
+
+JsonObject = dict[str, object]
+
+
+def remote_decode_params() -> JsonObject:
+    """P's ``kv_transfer_params``: prefill here, decode elsewhere (vLLM's six fields)."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class HttpCall:
+    """One POST of the contract.
+
+    Attributes:
+        path: ``/v1/chat/completions`` or ``/v1/completions``.
+        body: the JSON body.
+        request_id: the ``x-request-id`` header.
+    """
+
+    path: str
+    body: JsonObject
+    request_id: str
+
+    @property
+    def chat(self) -> bool:
+        return self.path == CHAT_PATH
+
+
+# ---------------------------------------------------------------- the conversion
+
+
+def openai_request(
+    prompt: Prompt,
+    media: tuple[MediaItem, ...],
+    sampling: SamplingParams,
+    *,
+    model: str,
+    return_token_ids: bool = True,
+) -> tuple[str, JsonObject]:
+    """Rebuild the OpenAI request of a stage request: ``(path, body)``.
+
+    Chat prompts become ``/v1/chat/completions`` with every media item inline
+    (``data:`` URLs, or ``input_audio`` for wav and mp3) where its index sits
+    among the message's parts; text and token-id prompts become
+    ``/v1/completions``.  Sampling fields are written only when they differ
+    from what vLLM assumes anyway, except ``max_tokens``, ``temperature`` and
+    ``top_p``, which are always explicit.
+
+    Args:
+        prompt: text, token ids or chat messages.
+        media: the items chat parts refer to by index.
+        sampling: the request's sampling parameters.
+        model: the served model name.
+        return_token_ids: ask vLLM for the sampled token ids (``return_token_ids``;
+            an older vLLM ignores the field).
+
+    Raises:
+        InvalidRequest: media with a non-chat prompt, a part naming a missing
+            item, or a media type vLLM cannot be sent.
+    """
+    body: JsonObject = {"model": model}
+    if prompt.messages is not None:
+        path = CHAT_PATH
+        body["messages"] = [_message(message, media) for message in prompt.messages]
+    else:
+        if media:
+            raise InvalidRequest(
+                "media need a chat prompt when the worker is a vLLM server", param="media"
+            )
+        path = COMPLETIONS_PATH
+        body["prompt"] = prompt.text if prompt.text is not None else list(prompt.token_ids or ())
+    body.update(_sampling(sampling, chat=path == CHAT_PATH))
+    if return_token_ids:
+        body["return_token_ids"] = True
+    return path, body
+
+
+def _message(message: ChatMessage, media: tuple[MediaItem, ...]) -> JsonObject:
+    parts = message.parts
+    if len(parts) == 1 and isinstance(parts[0], str):
+        return {"role": message.role, "content": parts[0]}
+    if not parts and message.role in ("assistant", "tool"):
+        return {"role": message.role, "content": None}
+    content: list[object] = []
+    for part in parts:
+        if isinstance(part, str):
+            content.append({"type": "text", "text": part})
+        elif 0 <= part < len(media):
+            content.append(media_part(media[part]))
+        else:
+            raise InvalidRequest(f"a chat part names media item {part}, which does not exist")
+    return {"role": message.role, "content": content}
+
+
+def media_part(item: MediaItem) -> JsonObject:
+    """The chat content part that carries ``item`` inline.
+
+    Raises:
+        InvalidRequest: a modality vLLM's chat API has no part for.
+    """
+    payload = base64.b64encode(item.data).decode("ascii")
+    audio_format = _INPUT_AUDIO_FORMATS.get(item.mime_type)
+    if audio_format is not None:
+        return {"type": "input_audio", "input_audio": {"data": payload, "format": audio_format}}
+    kind = _DATA_URL_PARTS.get(item.modality)
+    if kind is None:
+        raise InvalidRequest(f"media type {item.mime_type!r} cannot be sent to a vLLM server")
+    return {"type": kind, kind: {"url": f"data:{item.mime_type};base64,{payload}"}}
+
+
+def _sampling(sampling: SamplingParams, *, chat: bool) -> JsonObject:
+    fields: JsonObject = {
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+    }
+    if sampling.top_k > 0:
+        fields["top_k"] = sampling.top_k
+    if sampling.stop:
+        fields["stop"] = list(sampling.stop)
+    if sampling.seed is not None:
+        fields["seed"] = sampling.seed
+    if sampling.min_tokens:
+        fields["min_tokens"] = sampling.min_tokens
+    if sampling.logprobs is not None:
+        if chat:
+            fields["logprobs"] = True
+            if sampling.logprobs:
+                fields["top_logprobs"] = sampling.logprobs
+        else:
+            fields["logprobs"] = sampling.logprobs
+    return fields
+
+
+# ---------------------------------------------------------------- stage rules
+
+
+def _one_token(body: Mapping[str, object]) -> JsonObject:
+    """``body`` answered in one non-streamed token: what P, E and a consume run."""
+    out = dict(body)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)
+    return out
+
+
+def encode_call(request: EncodeRequest, index: int, *, model: str, suffix: str) -> HttpCall:
+    """E's request for item ``index`` of ``request``: that item alone, no text.
+
+    The header is ``<request_id>:<suffix>`` for a single-item request (the
+    encode actor's request ids already end in ``:<item>``), else
+    ``<request_id>:<index>:<suffix>``.  ``suffix`` differs per attempt, so a
+    retry never reuses an id an encoder may still hold.
+    """
+    item = request.media[index]
+    body: JsonObject = {
+        "model": model,
+        "messages": [{"role": "user", "content": [media_part(item)]}],
+        "max_tokens": 1,
+        "stream": False,
+    }
+    if len(request.media) == 1:
+        request_id = f"{request.request_id}:{suffix}"
+    else:
+        request_id = f"{request.request_id}:{index}:{suffix}"
+    return HttpCall(CHAT_PATH, body, request_id)
+
+
+def prefill_body(
+    original: Mapping[str, object], ec_transfer_params: Mapping[str, object] | None = None
+) -> JsonObject:
+    """The P rules applied to any original body (see the module docstring)."""
+    body = _one_token(original)
+    body["kv_transfer_params"] = remote_decode_params()
+    if ec_transfer_params:
+        body["ec_transfer_params"] = dict(ec_transfer_params)
+    return body
+
+
+def stream_body(
+    original: Mapping[str, object],
+    *,
+    kv_transfer_params: Mapping[str, object] | None = None,
+    ec_transfer_params: Mapping[str, object] | None = None,
+) -> JsonObject:
+    """The D / PD rules: stream with usage, carrying P's KV and E's encoder params."""
+    body = dict(original)
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    if ec_transfer_params:
+        body["ec_transfer_params"] = dict(ec_transfer_params)
+    return body
+
+
+def consume_body(
+    original: Mapping[str, object], kv_transfer_params: Mapping[str, object]
+) -> JsonObject:
+    """A decode request that only pulls P's KV blocks: one token, not streamed."""
+    body = _one_token(original)
+    body["kv_transfer_params"] = dict(kv_transfer_params)
+    return body
+
+
+def prefill_call(request: PrefillRequest, *, model: str, return_token_ids: bool) -> HttpCall:
+    """P's request: the rebuilt original body under :func:`prefill_body`."""
+    path, body = openai_request(
+        request.prompt,
+        request.media,
+        request.sampling,
+        model=model,
+        return_token_ids=return_token_ids,
+    )
+    return HttpCall(path, prefill_body(body, request.ec_transfer_params), request.request_id)
+
+
+def generate_call(request: GenerateRequest, *, model: str, return_token_ids: bool) -> HttpCall:
+    """D's or PD's request: the rebuilt original body under :func:`stream_body`."""
+    path, body = openai_request(
+        request.prompt,
+        request.media,
+        request.sampling,
+        model=model,
+        return_token_ids=return_token_ids,
+    )
+    streamed = stream_body(
+        body,
+        kv_transfer_params=request.kv_transfer_params,
+        ec_transfer_params=request.ec_transfer_params,
+    )
+    return HttpCall(path, streamed, request.request_id)
+
+
+# ---------------------------------------------------------------- replies
+
+
+class ReplyError(ValueError):
+    """A reply that does not follow the contract (bad JSON, wrong types)."""
+
+
+def json_object(data: bytes | str) -> JsonObject:
+    """Decode a JSON object.
+
+    Raises:
+        ReplyError: not JSON, or not an object.
+    """
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ReplyError(f"the reply is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ReplyError("the reply is not a JSON object")
+    return value
+
+
+def _optional_object(reply: Mapping[str, object], key: str) -> JsonObject | None:
+    value = reply.get(key)
+    if value is None or isinstance(value, dict):
+        return value
+    raise ReplyError(f"{key} must be an object or null")
+
+
+def _usage(value: object) -> Usage | None:
+    if not isinstance(value, dict):
+        return None
+    prompt = value.get("prompt_tokens")
+    completion = value.get("completion_tokens")
+    if type(prompt) is not int or type(completion) is not int:
+        raise ReplyError("usage needs integer prompt_tokens and completion_tokens")
+    return Usage(prompt, completion)
+
+
+def encode_result(request_id: str, reply: Mapping[str, object]) -> StageResult:
+    """E's answer: its ``ec_transfer_params`` (may be absent)."""
+    return StageResult(request_id, ec_transfer_params=_optional_object(reply, "ec_transfer_params"))
+
+
+def prefill_result(request_id: str, reply: Mapping[str, object]) -> StageResult:
+    """P's answer: its ``kv_transfer_params`` (null with shared-storage connectors)."""
+    usage = _usage(reply.get("usage"))
+    return StageResult(
+        request_id,
+        kv_transfer_params=_optional_object(reply, "kv_transfer_params"),
+        prompt_tokens=0 if usage is None else usage.prompt_tokens,
+    )
+
+
+def error_message(data: bytes | str) -> str:
+    """The message of a vLLM (or OpenAI) error body, or a short excerpt of the body."""
+    try:
+        reply = json_object(data)
+    except ReplyError:
+        text = data if isinstance(data, str) else data.decode("utf-8", "replace")
+        return text[:200].strip()
+    error = reply.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    if isinstance(reply.get("message"), str):
+        return str(reply["message"])
+    return json.dumps(reply)[:200]
+
+
+# ---------------------------------------------------------------- server-sent events
+
+
+@dataclass(frozen=True, slots=True)
+class SseEvent:
+    """One server-sent event: its ``event:`` name (empty for messages) and ``data``."""
+
+    event: str
+    data: str
+
+
+class SseDecoder:
+    """Splits a byte stream into server-sent events; bounded, resumable.
+
+    Lines end in ``\\n`` or ``\\r\\n``; comment lines (``:``) and fields other
+    than ``event`` and ``data`` are skipped; an event ends at a blank line.
+
+    Args:
+        max_event_bytes: the longest line and the largest event's data
+            (bytes); a stream that exceeds it is broken, not slow.
+    """
+
+    __slots__ = ("_buffer", "_data", "_data_bytes", "_event", "max_event_bytes")
+
+    def __init__(self, max_event_bytes: int) -> None:
+        self.max_event_bytes = max_event_bytes
+        self._buffer = bytearray()
+        self._data: list[str] = []
+        self._data_bytes = 0
+        self._event = ""
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        """The events completed by ``chunk``.
+
+        Raises:
+            ReplyError: a line or an event over the limit, or bytes that are not UTF-8.
+        """
+        self._buffer += chunk
+        events: list[SseEvent] = []
+        start = 0
+        buffer = self._buffer
+        while True:
+            end = buffer.find(b"\n", start)
+            if end < 0:
+                break
+            line = bytes(buffer[start:end]).rstrip(b"\r")
+            start = end + 1
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+        del buffer[:start]
+        if len(buffer) > self.max_event_bytes:
+            raise ReplyError(f"a server-sent event line exceeds {self.max_event_bytes} bytes")
+        return events
+
+    def _line(self, line: bytes) -> SseEvent | None:
+        if not line:
+            if not self._data and not self._event:
+                return None
+            event = SseEvent(self._event, "\n".join(self._data))
+            self._data, self._data_bytes, self._event = [], 0, ""
+            return event
+        if line.startswith(b":"):
+            return None
+        name, _, value = line.partition(b":")
+        if value.startswith(b" "):
+            value = value[1:]
+        try:
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ReplyError("a server-sent event is not UTF-8") from None
+        if name == b"data":
+            self._data_bytes += len(value)
+            if self._data_bytes > self.max_event_bytes:
+                raise ReplyError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
+            self._data.append(text)
+        elif name == b"event":
+            self._event = text
+        return None
+
+
+class StreamFailed(Exception):
+    """The worker reported an error inside the stream (``error`` data or event)."""
+
+
+class DeltaParser:
+    """vLLM stream chunks of one request -> protocol deltas (see the module docstring).
+
+    Feed events with :meth:`feed`; :meth:`take` returns everything parsed so
+    far as one delta (or None).  Once a finish reason has been seen, the
+    terminal delta is released by the usage chunk, ``[DONE]`` or
+    :meth:`end_of_stream`.
+
+    Args:
+        request_id: the request the deltas belong to.
+        chat: chat chunks (``delta.content``) rather than completion chunks (``text``).
+    """
+
+    __slots__ = (
+        "_chat",
+        "_done",
+        "_finish",
+        "_logprobs",
+        "_logprobs_ok",
+        "_text",
+        "_token_ids",
+        "_usage",
+        "request_id",
+        "terminal_sent",
+    )
+
+    def __init__(self, request_id: str, *, chat: bool) -> None:
+        self.request_id = request_id
+        self._chat = chat
+        self._text: list[str] = []
+        self._token_ids: list[int] = []
+        self._logprobs: list[float] = []
+        self._logprobs_ok = True
+        self._finish: str | None = None
+        self._usage: Usage | None = None
+        self._done = False
+        self.terminal_sent = False
+
+    def feed(self, events: list[SseEvent]) -> None:
+        """Parse ``events`` into the pending delta.
+
+        Raises:
+            StreamFailed: the stream carried an error.
+            ReplyError: a chunk that is not the shape vLLM sends.
+        """
+        for event in events:
+            if event.data == _DONE:
+                self._done = True
+                continue
+            if self._done:
+                continue
+            chunk = json_object(event.data)
+            if event.event == "error" or "error" in chunk or chunk.get("object") == "error":
+                raise StreamFailed(error_message(event.data))
+            self._chunk(chunk)
+
+    def _chunk(self, chunk: JsonObject) -> None:
+        usage = _usage(chunk.get("usage"))
+        if usage is not None:
+            self._usage = usage
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            raise ReplyError("a stream chunk has no choices array")
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise ReplyError("a stream choice is not an object")
+            self._choice(choice)
+
+    def _choice(self, choice: JsonObject) -> None:
+        if self._chat:
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else None
+        else:
+            text = choice.get("text")
+        if isinstance(text, str) and text:
+            self._text.append(text)
+        ids = choice.get("token_ids")
+        new_ids = [t for t in ids if type(t) is int] if isinstance(ids, list) else []
+        self._token_ids += new_ids
+        logprobs = _chunk_logprobs(choice.get("logprobs"), chat=self._chat)
+        if new_ids and logprobs is not None and len(logprobs) == len(new_ids):
+            self._logprobs += logprobs
+        elif new_ids:
+            self._logprobs_ok = False
+        finish = choice.get("finish_reason")
+        if isinstance(finish, str):
+            self._finish = finish
+
+    def take(self) -> Delta | None:
+        """The pending delta, if there is anything to hand on."""
+        if self.terminal_sent:
+            return None
+        terminal = self._finish is not None and (self._usage is not None or self._done)
+        if not terminal and not self._text and not self._token_ids:
+            return None
+        return self._emit(terminal)
+
+    def end_of_stream(self) -> Delta | None:
+        """The terminal delta at EOF, or None when the stream never finished."""
+        if self.terminal_sent or self._finish is None:
+            return None
+        return self._emit(True)
+
+    def _emit(self, terminal: bool) -> Delta:
+        has_logprobs = self._logprobs_ok and bool(self._logprobs)
+        delta = Delta(
+            self.request_id,
+            token_ids=tuple(self._token_ids),
+            text="".join(self._text),
+            logprobs=tuple(self._logprobs) if has_logprobs else None,
+            finish_reason=self._finish if terminal else None,
+            usage=self._usage if terminal else None,
+        )
+        self._text, self._token_ids, self._logprobs, self._logprobs_ok = [], [], [], True
+        self.terminal_sent = terminal
+        return delta
+
+
+def _chunk_logprobs(value: object, *, chat: bool) -> list[float] | None:
+    if not isinstance(value, dict):
+        return None
+    if chat:
+        content = value.get("content")
+        if not isinstance(content, list):
+            return None
+        raw = [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
+    else:
+        token_logprobs = value.get("token_logprobs")
+        if not isinstance(token_logprobs, list):
+            return None
+        raw = token_logprobs
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in raw):
+        return None
+    return [float(x) for x in raw if isinstance(x, int | float)]

@@ -1,0 +1,199 @@
+"""``python -m epd_actors bench``: load any OpenAI-compatible endpoint and summarise.
+
+Examples::
+
+    python -m epd_actors bench --url http://127.0.0.1:8000 --concurrency 32 --requests 2000
+    python -m epd_actors bench --url http://127.0.0.1:8000 --rate 200 --duration 30 \\
+        --images 1 --image-bytes 200000 --mm-fraction 0.5 --json out.json
+
+Run it on its own core (``taskset -c 1 python -m epd_actors bench ...``) so it
+does not compete with the server; it prints its own CPU use (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from typing import TYPE_CHECKING
+
+import trio
+
+from .client import Target
+from .payload import Workload
+from .runner import LoadSpec, RunResult, is_finite_positive, progress_stream, run_load
+from .stats import format_summary
+
+if TYPE_CHECKING:
+    from .stats import RequestRecord
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the ``bench`` subcommand."""
+    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", default="sim-model", help="the model field (default sim-model)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""))
+    parser.add_argument(
+        "--endpoint", choices=["chat", "completions"], default="chat", help="default chat"
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", type=int, default=None, help="closed loop (default 32)")
+    mode.add_argument("--rate", type=float, default=None, help="open loop: Poisson req/s")
+    amount = parser.add_mutually_exclusive_group()
+    amount.add_argument("--requests", type=int, default=None, help="default 1000")
+    amount.add_argument("--duration", type=float, default=None, metavar="SECONDS")
+    parser.add_argument("--warmup", type=int, default=0, help="unrecorded requests first")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, default=32)
+    parser.add_argument("--images", type=int, default=0, help="images per multimodal request")
+    parser.add_argument("--image-bytes", type=int, default=64 * 1024, help="size of each PNG")
+    parser.add_argument(
+        "--mm-fraction", type=float, default=1.0, help="share of requests with images"
+    )
+    parser.add_argument(
+        "--stream", action=argparse.BooleanOptionalAction, default=True, help="default: stream"
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS")
+    parser.add_argument(
+        "--max-in-flight", type=int, default=4096, help="open loop: drop arrivals above this"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write results here")
+    parser.add_argument(
+        "--records", action="store_true", help="include every request's record in the JSON"
+    )
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress line (default: when stdout is a terminal)",
+    )
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.concurrency is not None and args.concurrency < 1:
+        return "--concurrency must be >= 1"
+    if args.rate is not None and not is_finite_positive(args.rate):
+        return "--rate must be > 0"
+    if args.requests is not None and args.requests < 1:
+        return "--requests must be >= 1"
+    if args.duration is not None and not is_finite_positive(args.duration):
+        return "--duration must be > 0"
+    if args.max_tokens < 1 or args.prompt_words < 1:
+        return "--max-tokens and --prompt-words must be >= 1"
+    if args.images < 0 or args.image_bytes < 1:
+        return "--images must be >= 0 and --image-bytes >= 1"
+    if not 0.0 <= args.mm_fraction <= 1.0:
+        return "--mm-fraction must be in [0, 1]"
+    if args.images and args.endpoint != "chat":
+        return "--images needs --endpoint chat"
+    return None
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    return Workload(
+        model=args.model,
+        endpoint=args.endpoint,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        images=args.images,
+        image_bytes=args.image_bytes,
+        mm_fraction=args.mm_fraction,
+        stream=args.stream,
+    )
+
+
+def load_from_args(args: argparse.Namespace) -> LoadSpec:
+    requests = args.requests
+    if requests is None and args.duration is None:
+        requests = 1000
+    return LoadSpec(
+        concurrency=args.concurrency or 32,
+        rate=args.rate,
+        requests=requests,
+        duration_s=args.duration,
+        warmup=args.warmup,
+        timeout_s=args.timeout,
+        max_in_flight=args.max_in_flight,
+        seed=args.seed,
+    )
+
+
+def _record_json(record: RequestRecord) -> dict[str, object]:
+    return {
+        "start": record.start,
+        "ttft": record.ttft,
+        "e2e": record.e2e,
+        "output_tokens": record.output_tokens,
+        "events": record.events,
+        "status": record.status,
+        "error": record.error,
+    }
+
+
+def result_json(
+    args: argparse.Namespace, workload: Workload, load: LoadSpec, result: RunResult
+) -> dict[str, object]:
+    """What ``--json`` writes."""
+    document: dict[str, object] = {
+        "url": args.url,
+        "mode": "closed" if load.rate is None else "open",
+        "workload": {
+            "model": workload.model,
+            "endpoint": workload.endpoint,
+            "max_tokens": workload.max_tokens,
+            "prompt_words": workload.prompt_words,
+            "images": workload.images,
+            "image_bytes": workload.image_bytes,
+            "mm_fraction": workload.mm_fraction,
+            "stream": workload.stream,
+        },
+        "load": {
+            "concurrency": None if load.rate is not None else load.concurrency,
+            "rate": load.rate,
+            "requests": load.requests,
+            "duration_s": load.duration_s,
+            "warmup": load.warmup,
+        },
+        "summary": result.summary.to_json(),
+        "connections_opened": result.connections_opened,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+    }
+    if args.records:
+        document["records"] = [_record_json(r) for r in result.records]
+    return document
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Entry point of ``python -m epd_actors bench``; returns the exit status."""
+    problem = _check(args)
+    if problem is not None:
+        print(f"epd_actors bench: {problem}", file=sys.stderr)
+        return 2
+    workload = workload_from_args(args)
+    load = load_from_args(args)
+    try:
+        target = Target.from_url(args.url, workload.path, api_key=args.api_key)
+    except ValueError as exc:
+        print(f"epd_actors bench: {exc}", file=sys.stderr)
+        return 2
+    mode = f"rate {load.rate:g}/s" if load.rate is not None else f"concurrency {load.concurrency}"
+    amount = f"{load.requests} requests" if load.requests else f"{load.duration_s:g} s"
+    title = f"bench {args.url}{workload.path}: {mode}, {amount}, max_tokens {workload.max_tokens}"
+    result = trio.run(
+        lambda: run_load(target, workload, load, progress=progress_stream(args.progress))
+    )
+    print(format_summary(result.summary, title=title), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result_json(args, workload, load, result), handle, indent=1)
+            handle.write("\n")
+    if result.summary.completed == 0:
+        return 1
+    return 0

@@ -1,0 +1,242 @@
+"""The load generator: its summary math, its SSE scanning, and smoke runs against a router.
+
+Benchmarks are not tests: these only check that ``python -m epd_actors bench``
+and one benchmark scenario work on a tiny load (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import struct
+import subprocess
+import sys
+import zlib
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import trio
+
+from epd_actors.bench import (
+    Distribution,
+    LoadSpec,
+    RequestRecord,
+    Target,
+    Workload,
+    format_summary,
+    percentile,
+    run_load,
+    summarize,
+    synthetic_png,
+)
+from epd_actors.bench.client import _StreamScan
+from epd_actors.bench.payload import BodyMaker, build_body
+from epd_actors.frontends.http import HttpSettings, RouterHttpApp, serve_http
+from epd_actors.router import open_router
+from epd_actors.testing import build_sim_fleet
+from epd_actors.worker.engines.sim import SimConfig
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "bench-key"
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == pytest.approx(2.5)
+    assert percentile(values, 90) == pytest.approx(3.7)
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError, match="percentile"):
+        percentile(values, 101)
+
+
+def test_distribution_of_nothing_is_nan() -> None:
+    empty = Distribution.of([])
+    assert empty.count == 0
+    assert math.isnan(empty.p50)
+    full = Distribution.of([0.1, 0.2, 0.3])
+    assert full.mean == pytest.approx(0.2)
+    assert full.max == 0.3
+
+
+def _record(start: float, ttft: float, e2e: float, tokens: int, **kw: object) -> RequestRecord:
+    record = RequestRecord(start=start, ttft=ttft, e2e=e2e, output_tokens=tokens)
+    for key, value in kw.items():
+        setattr(record, key, value)
+    return record
+
+
+def test_summarize_counts_rates_errors_and_tpot() -> None:
+    records = [
+        _record(0.0, 0.01, 0.11, 11, gaps=[0.05, 0.05]),
+        _record(0.5, 0.03, 0.23, 21, gaps=[0.1]),
+        _record(1.0, 0.0, 0.2, 0, error="HTTP 503: busy"),
+        _record(1.0, 0.0, 0.2, 0, error="HTTP 503: busy"),
+    ]
+    summary = summarize(records, duration_s=2.0, client_cpu_s=0.5)
+    assert summary.requests == 4
+    assert summary.completed == 2
+    assert summary.errors == {"HTTP 503: busy": 2}
+    assert summary.request_rate == pytest.approx(1.0)
+    assert summary.output_tokens == 32
+    assert summary.output_token_rate == pytest.approx(16.0)
+    assert summary.ttft.p50 == pytest.approx(0.02)
+    assert summary.itl.count == 3
+    assert summary.tpot.mean == pytest.approx(0.01)  # (0.1 / 10 + 0.2 / 20) / 2
+    assert summary.client_cpu_util == pytest.approx(0.25)
+    document = json.loads(json.dumps(summary.to_json()))
+    assert document["ttft"]["count"] == 2
+    text = format_summary(summary, title="t")
+    assert "TTFT" in text
+    assert "error x2: HTTP 503: busy" in text
+
+
+def test_summary_of_only_failures_is_json_without_nan() -> None:
+    summary = summarize([_record(0.0, 0.0, 0.1, 0, error="x")], duration_s=0.1, client_cpu_s=0.0)
+    document = summary.to_json()
+    assert document["ttft"] == {
+        "count": 0,
+        "mean": None,
+        "p50": None,
+        "p90": None,
+        "p99": None,
+        "max": None,
+    }
+    json.dumps(document, allow_nan=False)
+    assert "-" in format_summary(summary)
+
+
+def test_stream_scan_handles_events_split_across_reads() -> None:
+    record = RequestRecord(start=0.0)
+    scan = _StreamScan(record, t0=0.0)
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    text = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":7}}\n\n'
+    stream = role + text + text + usage + b"data: [DONE]\n\n"
+    for index, cut in enumerate(range(0, len(stream), 17)):
+        scan.feed(stream[cut : cut + 17], now=float(index))
+    assert scan.done
+    assert scan.error is None
+    assert scan.events == 5
+    assert scan.text_events == 2
+    assert record.output_tokens == 7
+    assert record.ttft is not None
+    assert len(record.gaps) == 1
+
+
+def test_stream_scan_sees_error_events() -> None:
+    record = RequestRecord(start=0.0)
+    scan = _StreamScan(record, t0=0.0)
+    scan.feed(b'event: error\ndata: {"error":{"message":"boom"}}\n\n', now=1.0)
+    assert scan.error is not None
+    assert "boom" in scan.error
+
+
+def test_synthetic_png_is_a_valid_png_of_about_the_size() -> None:
+    png = synthetic_png(30_000, seed=1)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert 25_000 < len(png) < 35_000
+    length = struct.unpack(">I", png[33:37])[0]
+    assert png[37:41] == b"IDAT"
+    width, height = struct.unpack(">II", png[16:24])
+    raw = zlib.decompress(png[41 : 41 + length])
+    assert len(raw) == height * (1 + width * 3)
+    assert synthetic_png(1000, seed=1) != synthetic_png(1000, seed=2)
+
+
+def test_bodies_and_targets() -> None:
+    workload = Workload(images=2, image_bytes=500, mm_fraction=0.5, max_tokens=9)
+    body = json.loads(build_body(workload, 3, with_images=True))
+    assert body["max_tokens"] == 9
+    assert body["stream_options"] == {"include_usage": True}
+    parts = body["messages"][0]["content"]
+    assert [p["type"] for p in parts] == ["text", "image_url", "image_url"]
+    maker = BodyMaker(workload, seed=0)
+    kinds = [isinstance(json.loads(maker.next_body())["messages"][0]["content"], list)]
+    kinds += [
+        isinstance(json.loads(maker.next_body())["messages"][0]["content"], list)
+        for _ in range(199)
+    ]
+    assert 60 < sum(kinds) < 140
+    target = Target.from_url("http://127.0.0.1:9/v1/", "/v1/completions", api_key="k")
+    assert (target.host, target.port, target.path) == ("127.0.0.1", 9, "/v1/completions")
+    assert ("Authorization", "Bearer k") in target.headers(3)
+    with pytest.raises(ValueError, match="http"):
+        Target.from_url("https://x", "/v1/completions")
+
+
+@asynccontextmanager
+async def served_router() -> AsyncIterator[str]:
+    config = SimConfig(output_token_s=0.0, tokens_per_delta=4, first_token_s=0.0)
+    fleet = build_sim_fleet({"encode": 1, "prefill": 1, "decode": 1}, config=config)
+    async with (
+        open_router(fleet.router_config(), backend_factory=fleet.backend_factory) as router,
+        trio.open_nursery() as nursery,
+    ):
+        await router.wait_ready()
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        serve = functools.partial(serve_http, settings=HttpSettings(api_keys=(KEY,)))
+        await nursery.start(serve, RouterHttpApp(router), listeners)
+        port = listeners[0].socket.getsockname()[1]
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            nursery.cancel_scope.cancel(reason="test finished")
+
+
+async def test_bench_command_against_an_in_process_router(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    async with served_router() as url:
+        argv = [sys.executable, "-m", "epd_actors", "bench", "--url", url, "--api-key", KEY]
+        argv += ["--concurrency", "3", "--requests", "10", "--max-tokens", "12"]
+        argv += ["--images", "1", "--image-bytes", "2000", "--mm-fraction", "0.5"]
+        argv += ["--json", str(out), "--records", "--no-progress"]
+        with trio.fail_after(30):
+            done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True)
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"requests 10/10 ok" in done.stdout
+    document = json.loads(out.read_text())
+    assert document["summary"]["completed"] == 10
+    assert document["summary"]["output_tokens"] == 120
+    assert document["summary"]["ttft"]["p50"] > 0
+    assert len(document["records"]) == 10
+    assert all(r["status"] == 200 and r["output_tokens"] == 12 for r in document["records"])
+
+
+async def test_open_loop_and_non_streaming_in_process() -> None:
+    async with served_router() as url:
+        target = Target.from_url(url, "/v1/completions", api_key=KEY)
+        workload = Workload(endpoint="completions", max_tokens=5, stream=False)
+        load = LoadSpec(rate=200.0, requests=12, warmup=2)
+        with trio.fail_after(20):
+            result = await run_load(target, workload, load)
+        wrong = Target.from_url(url, "/v1/chat/completions", api_key="nope")
+        with trio.fail_after(20):
+            refused = await run_load(wrong, Workload(), LoadSpec(concurrency=2, requests=2))
+    assert result.summary.completed == 12
+    assert result.summary.output_tokens == 60
+    assert refused.summary.completed == 0
+    assert all(error.startswith("HTTP 401") for error in refused.summary.errors)
+
+
+@pytest.mark.processes
+def test_one_benchmark_scenario_on_a_tiny_load(tmp_path: Path) -> None:
+    script = ROOT / "benchmarks" / "run_router_overhead.py"
+    argv = [sys.executable, str(script), "--name", "smoke", "--out-dir", str(tmp_path)]
+    argv += ["--scenarios", "native-pd", "--concurrency", "2", "--rounds", "1"]
+    argv += ["--requests", "10", "--requests-per-client", "1", "--warmup", "2", "--no-plots"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    document = json.loads((tmp_path / "smoke.json").read_text())
+    (row,) = document["medians"]
+    assert row["scenario"] == "native-pd"
+    assert row["errors"] == 0
+    assert row["router_cpu_ms_per_req"] > 0
