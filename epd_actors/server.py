@@ -8,8 +8,11 @@ ladder runs:
 
 1. stop accepting: the listeners close, new connections are refused;
 2. let in-flight requests finish, up to ``drain_timeout_s``;
-3. cancel what is left: their clients get an error and their workers an abort;
-4. close the worker connections as the router exits.
+3. end what is left with ``StageTimeout(phase="drain")``: each client gets a
+   final error (an SSE error event, or a 504), each worker an abort; wait up to
+   ``deadlines.cleanup_timeout_s`` for those answers to be written;
+4. cancel the connections still open, and close the worker connections as the
+   router exits.
 """
 
 from __future__ import annotations
@@ -112,8 +115,16 @@ async def serve_router(
                 await router.supervisor.wait_idle()
             if drain.cancelled_caught:
                 logger.warning(
-                    "drain deadline of %.1fs passed with %d requests in flight; cancelling them",
+                    "drain deadline of %.1fs passed with %d requests in flight; ending them",
                     server.drain_timeout_s,
                     router.supervisor.requests_in_flight,
                 )
+                # Each request ends with a typed error its client sees (an SSE
+                # error event, a 504), its workers abort; bounded, then cut.
+                router.supervisor.expire_requests(
+                    f"the router stopped and its drain deadline of {server.drain_timeout_s:g}s "
+                    "passed"
+                )
+                with trio.move_on_after(router.config.deadlines.cleanup_timeout_s):
+                    await router.supervisor.wait_idle()
             connections.cancel_scope.cancel(reason="router stopped")

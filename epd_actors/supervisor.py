@@ -188,6 +188,10 @@ class Supervisor:
         self.requests_failed = 0
         self.requests_cancelled = 0
         self.compensations_run = 0
+        # One scope per running request's pipeline, so a shutdown can end them
+        # with a typed error their clients see (``expire_requests``).
+        self._expirable: set[trio.CancelScope] = set()
+        self._expiry_reason = ""
 
     def __repr__(self) -> str:
         return f"<Supervisor stages={[a.stage for a in self._ordered]}>"
@@ -211,6 +215,20 @@ class Supervisor:
             actor_restarts=dict(self.actor_restarts),
             compensations_run=self.compensations_run,
         )
+
+    def expire_requests(self, reason: str) -> int:
+        """End every request in flight with ``StageTimeout(phase="drain")``.
+
+        Used by the server's shutdown ladder when its drain deadline passes:
+        unlike cancelling the callers, each request still delivers a final
+        ``ErrorEvent`` (an HTTP stream ends with an SSE error event, not a cut),
+        its workers are told to abort and its compensations run.  Returns the
+        number of requests expired.
+        """
+        self._expiry_reason = reason
+        for scope in self._expirable:
+            scope.cancel(reason=reason)
+        return len(self._expirable)
 
     async def wait_idle(self) -> None:
         """Return once no request is in flight (at once if none is).
@@ -360,13 +378,21 @@ class Supervisor:
         timeout = request.timeout_s
         if timeout is None:
             timeout = self.deadlines.request_timeout_s
+        expiry = trio.CancelScope()
+        self._expirable.add(expiry)
         try:
-            with trio.move_on_after(timeout):
-                return await self._pipeline(record, events)
+            with expiry:
+                with trio.move_on_after(timeout):
+                    return await self._pipeline(record, events)
+                raise StageTimeout(
+                    f"request {request.request_id} exceeded its {timeout:g}s deadline "
+                    f"while {record.lifecycle.phase.value}",
+                    phase="request",
+                )
             raise StageTimeout(
-                f"request {request.request_id} exceeded its {timeout:g}s deadline "
-                f"while {record.lifecycle.phase.value}",
-                phase="request",
+                f"request {request.request_id} ended while "
+                f"{record.lifecycle.phase.value}: {self._expiry_reason}",
+                phase="drain",
             )
         except EpdError as exc:
             logger.info("request %s failed: %s", request.request_id, exc)
@@ -377,6 +403,8 @@ class Supervisor:
             return ErrorEvent(
                 RequestCancelled(f"request {request.request_id}: caller left"), record.timings()
             )
+        finally:
+            self._expirable.discard(expiry)
 
     async def _pipeline(
         self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
