@@ -444,11 +444,19 @@ class Supervisor:
                 failures.append(RequestCancelled(f"{record.request.request_id}: caller left"))
                 nursery.cancel_scope.cancel(reason="caller closed its event channel")
 
-        async with trio.open_nursery() as nursery:
-            for item in items:
-                nursery.start_soon(run_one, item, name=f"{actor.stage}:{record.request.request_id}")
-        if failures:
-            raise failures[0]
+        if len(items) == 1:
+            # The common case needs no fan-out: no nursery, no extra task.
+            try:
+                await self._run_job(actor, context, items[0], record, events, workers, waits)
+            except trio.BrokenResourceError:
+                raise RequestCancelled(f"{record.request.request_id}: caller left") from None
+        else:
+            async with trio.open_nursery() as nursery:
+                for item in items:
+                    name = f"{actor.stage}:{record.request.request_id}"
+                    nursery.start_soon(run_one, item, name=name)
+            if failures:
+                raise failures[0]
         record.stage_times[actor.stage] = trio.current_time() - started
         record.workers[actor.stage] = tuple(workers)
         record.queue_wait_s += max(waits, default=0.0)
