@@ -113,10 +113,25 @@ class AdmissionLimits:
         max_requests_in_flight: requests the router serves at once; more are
             refused at once with ``Overloaded`` (HTTP 429 + ``Retry-After``).
         retry_after_s: the ``Retry-After`` a refusal suggests.
+        low_priority_share: a ``low`` priority request is admitted only while
+            fewer than this share of the limit are in flight.
+        high_priority_reserve: the share of the limit only ``high`` priority
+            requests may use (0: ``normal`` may use all of it).
     """
 
     max_requests_in_flight: int = 4096
     retry_after_s: float = 1.0
+    low_priority_share: float = 0.8
+    high_priority_reserve: float = 0.0
+
+    def limit_for(self, priority: str) -> int:
+        """How many requests may be in flight for a new one of ``priority`` to be admitted."""
+        limit = self.max_requests_in_flight
+        if priority == "high":
+            return limit
+        if priority == "low":
+            return max(1, int(limit * self.low_priority_share))
+        return max(1, limit - int(limit * self.high_priority_reserve))
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,4 +249,8 @@ def validate(config: RouterConfig) -> None:
     if config.admission.max_requests_in_flight < 1:
         raise ConfigError("admission.max_requests_in_flight must be >= 1")
     _positive("admission.retry_after_s", config.admission.retry_after_s)
+    if not 0.0 < config.admission.low_priority_share <= 1.0:
+        raise ConfigError("admission.low_priority_share must be in (0, 1]")
+    if not 0.0 <= config.admission.high_priority_reserve < 1.0:
+        raise ConfigError("admission.high_priority_reserve must be in [0, 1)")
     _positive("actors.restart_backoff_max_s", actors.restart_backoff_max_s)

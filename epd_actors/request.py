@@ -10,10 +10,14 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .errors import InvalidRequest
 from .protocol import MediaItem, Prompt, SamplingParams, Usage
 
 if TYPE_CHECKING:
     from .errors import EpdError
+
+
+PRIORITIES = ("high", "normal", "low")
 
 
 def new_request_id() -> str:
@@ -41,6 +45,8 @@ class GenerationRequest:
         sampling: sampling parameters for the output.
         request_id: unique id; the front ends honour a client's ``x-request-id``.
         session_key: optional affinity key (consistent-hash routing).
+        priority: ``high``, ``normal`` or ``low``: which share of the router's
+            in-flight limit the request may use (see ``config.AdmissionLimits``).
         timeout_s: whole-request deadline; ``None`` uses the configured one.
     """
 
@@ -49,7 +55,15 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=new_request_id)
     session_key: str | None = None
+    priority: str = "normal"
     timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise InvalidRequest(
+                f"priority must be one of {', '.join(PRIORITIES)}, got {self.priority!r}",
+                param="priority",
+            )
 
 
 @dataclass(frozen=True, slots=True)

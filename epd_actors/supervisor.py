@@ -317,12 +317,12 @@ class Supervisor:
 
     def _admission_refusal(self, request: GenerationRequest) -> ErrorEvent | None:
         """An immediate ``Overloaded`` when the router is at its in-flight limit."""
-        limit = self.admission.max_requests_in_flight
+        limit = self.admission.limit_for(request.priority)
         if self.requests_in_flight < limit:
             return None
         self.requests_refused += 1
         error = Overloaded(
-            f"the router is serving its limit of {limit} requests",
+            f"the router is serving its limit of {limit} {request.priority}-priority requests",
             retry_after=self.admission.retry_after_s,
         )
         logger.info("request %s refused: %s", request.request_id, error)

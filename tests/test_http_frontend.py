@@ -328,6 +328,20 @@ async def test_session_header_becomes_the_session_key() -> None:
     assert app.requests[0].session_key == "s-42"
 
 
+async def test_priority_header() -> None:
+    app = ScriptedApp([done()])
+    async with connected(app) as client:
+        await client.request(
+            "POST", "/v1/chat/completions", json_body=CHAT, headers=(("x-epd-priority", "High"),)
+        )
+        refused = await client.request(
+            "POST", "/v1/chat/completions", json_body=CHAT, headers=(("x-epd-priority", "vip"),)
+        )
+    assert app.requests[0].priority == "high"
+    assert refused.status == 400
+    assert refused.json()["error"]["param"] == "x-epd-priority"
+
+
 # ---------------------------------------------------------------- refusals
 
 

@@ -15,6 +15,7 @@ from epd_actors.config import ActorLimits, AdmissionLimits, Deadlines
 from epd_actors.errors import (
     ActorCrashed,
     ConfigError,
+    InvalidRequest,
     NoHealthyWorker,
     Overloaded,
     RemoteWorkerError,
@@ -591,3 +592,44 @@ async def test_a_caller_leaving_a_stalled_stream_does_not_crash_the_actor() -> N
     assert supervisor.statistics().actor_restarts == {"prefill": 0, "decode": 0}
     assert fleet.total("aborts", "decode") == 1
     assert_no_leaks(fleet)
+
+
+async def test_priority_decides_who_is_admitted_near_the_limit(autojump_clock: object) -> None:
+    fleet = build_sim_fleet({"prefill": 1, "decode": 1}, config=TIMED)
+    limits = AdmissionLimits(
+        max_requests_in_flight=10, low_priority_share=0.5, high_priority_reserve=0.2
+    )
+    supervisor = Supervisor(fleet.pools, admission=limits)
+    assert [limits.limit_for(p) for p in ("high", "normal", "low")] == [10, 8, 5]
+    outcomes: dict[str, list[type]] = {"high": [], "normal": [], "low": []}
+
+    async def one(priority: str, n: int) -> None:
+        request = GenerationRequest(
+            Prompt(text="a b"), request_id=f"{priority}{n}", priority=priority
+        )
+        outcomes[priority].append(type(final(await collect(supervisor, request))))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        async with trio.open_nursery() as burst:
+            for n in range(4):  # 4 normal requests in flight first
+                burst.start_soon(one, "normal", n)
+            await trio.testing.wait_all_tasks_blocked()
+            for n in range(3):  # low: admitted while fewer than 5 are in flight
+                burst.start_soon(one, "low", n)
+            await trio.testing.wait_all_tasks_blocked()
+            for n in range(4):  # normal: up to 8
+                burst.start_soon(one, "normal", 10 + n)
+            await trio.testing.wait_all_tasks_blocked()
+            for n in range(3):  # high: up to 10
+                burst.start_soon(one, "high", n)
+        nursery.cancel_scope.cancel()
+    assert outcomes["low"].count(DoneEvent) == 1
+    assert outcomes["normal"].count(DoneEvent) == 4 + 3
+    assert outcomes["high"].count(DoneEvent) == 2
+    assert_no_leaks(fleet)
+
+
+def test_an_unknown_priority_is_invalid() -> None:
+    with pytest.raises(InvalidRequest, match="priority"):
+        GenerationRequest(Prompt(text="x"), priority="urgent")

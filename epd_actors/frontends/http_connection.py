@@ -40,14 +40,14 @@ import http
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final, Protocol
 
 import h11
 import trio
 
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
-from ..request import DeltaEvent, DoneEvent, ErrorEvent, new_request_id
+from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
 from .http_errors import HttpError, error_response
 from .media import resolve_media
 from .openai_format import SseFormatter, error_body, logprobs_body, response_body, unix_time
@@ -339,6 +339,12 @@ class HttpConnection:
                 param="x-session-id",
             )
         parsed = parse(body, request_id=self.rid, limits=self.settings.media, session_key=session)
+        priority = headers.get("x-epd-priority", "normal").strip().lower()
+        if priority not in PRIORITIES:
+            raise InvalidRequest(
+                f"x-epd-priority must be one of {', '.join(PRIORITIES)}", param="x-epd-priority"
+            )
+        parsed = replace(parsed, priority=priority)
         if parsed.model not in self.app.models():
             raise HttpError(
                 404,

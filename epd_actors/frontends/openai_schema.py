@@ -126,6 +126,7 @@ class ParsedRequest:
         sampling: sampling parameters.
         request_id: the router request id.
         session_key: affinity key (``x-session-id`` header, else the ``user`` field).
+        priority: admission priority (``x-epd-priority`` header): high, normal, low.
         stream: answer with server-sent events.
         include_usage: streaming: send a usage chunk before ``[DONE]``.
         logprobs: the client asked for log-probabilities.
@@ -140,6 +141,7 @@ class ParsedRequest:
     sampling: SamplingParams
     request_id: str
     session_key: str | None = None
+    priority: str = "normal"
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
@@ -167,6 +169,7 @@ class ParsedRequest:
             sampling=self.sampling,
             request_id=self.request_id,
             session_key=self.session_key,
+            priority=self.priority,
         )
 
     def with_media(self, items: tuple[MediaItem, ...]) -> ParsedRequest:
