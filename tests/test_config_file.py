@@ -161,3 +161,14 @@ def test_backend_settings_sections(tmp_path: Path) -> None:
     path.write_text(MINIMAL + "[native]\nheartbeat_timeout_s = 0.1\n")
     with pytest.raises(ConfigError, match="native"):
         load_config(path, environ={})
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((EXAMPLE.parent).rglob("*.toml")),
+    ids=lambda p: str(p.relative_to(EXAMPLE.parent)),
+)
+def test_every_example_config_is_valid(path: Path) -> None:
+    from epd_actors.check_config import check_topology
+
+    check_topology(load_config(path, environ=ENV))
