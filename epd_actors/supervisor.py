@@ -474,7 +474,11 @@ class Supervisor:
         async with actor.submit(context, item) as (job, replies):
             first = True
             while True:
-                event = await self._next_event(actor, replies, first=first)
+                try:
+                    event = await self._next_event(actor, replies, first=first)
+                except StageTimeout:
+                    job.timed_out = True  # the worker's breaker counts it (read on release)
+                    raise
                 first = False
                 if event is None:
                     raise ActorCrashed(

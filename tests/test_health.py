@@ -128,3 +128,25 @@ async def test_client_errors_never_count_against_a_worker() -> None:
                 [e async for e in events]
         nursery.cancel_scope.cancel()
     assert fleet.pools["prefill"].get("prefill-0").breaker.state == BreakerState.CLOSED  # type: ignore[union-attr]
+
+
+async def test_token_timeouts_count_against_the_worker(autojump_clock: object) -> None:
+    from epd_actors.config import Deadlines
+
+    fleet = build_sim_fleet({"prefill": 1, "decode": 2})
+    for pool in fleet.pools.values():
+        pool.health = POLICY
+        for member in pool.members:
+            member.breaker = CircuitBreaker(POLICY)
+    fleet.engines["decode-0"].config = sim_config(stall_s=100.0)
+    supervisor = Supervisor(fleet.pools, deadlines=Deadlines(first_token_timeout_s=1.0))
+    breaker = fleet.pools["decode"].get("decode-0").breaker  # type: ignore[union-attr]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        for n in range(4):
+            async with supervisor.generate(text(n)) as events:
+                [e async for e in events]
+        nursery.cancel_scope.cancel()
+    # Round robin sent two requests to the stalled decoder; both timed out.
+    assert breaker.state == BreakerState.OPEN
+    assert fleet.engines["decode-0"].statistics().aborts == 2

@@ -299,6 +299,8 @@ class BaseActor:
                     raise
                 job.last_error = exc
             finally:
+                if job.timed_out:
+                    lease.failed()  # a worker that stops answering is a failing worker
                 lease.release()
             tried.append(lease.member.worker_id)
             self.retries_total += 1

@@ -94,6 +94,9 @@ class Job:
         output_started: set once an output token reached the requester (an
             output stage is never retried after that).
         last_error: the error of the previous attempt, when retrying.
+        timed_out: set by the requester when its first-token or inter-token
+            deadline expired on this job; the worker's circuit breaker counts it
+            as a failure.
         compensations: what undoes the job's leftovers (a prefilled KV handle)
             should the request not complete.  Whoever holds them runs them: the
             job's own task, unless the requester took them over together with
@@ -112,6 +115,7 @@ class Job:
     handed_over: bool = False
     output_started: bool = False
     last_error: EpdError | None = None
+    timed_out: bool = False
 
     @property
     def request_id(self) -> str:
