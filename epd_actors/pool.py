@@ -176,10 +176,6 @@ class WorkerPool:
         """Stop giving the worker new jobs (operator drain)."""
         self._members[worker_id].drained = True
 
-    def usable_count(self) -> int:
-        now = trio.current_time()
-        return sum(member.usable(now) for member in self._members.values())
-
     def statistics(self) -> list[MemberStatistics]:
         out = []
         for member in self._members.values():

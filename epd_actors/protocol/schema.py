@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import LocalProtocolError, RemoteProtocolError
@@ -253,17 +253,7 @@ def compile_struct(cls: type, tag: str | None = None) -> Struct:
     return struct
 
 
-def struct_of(cls: type) -> Struct:
-    """The compiled wire form of an already compiled dataclass."""
-    return _STRUCTS[cls]
-
-
 def require(condition: bool, message: str) -> None:
     """Raise ``LocalProtocolError`` unless ``condition``; used by ``__post_init__`` checks."""
     if not condition:
         raise LocalProtocolError(message)
-
-
-def as_mapping(value: Mapping[str, object] | None) -> dict[str, object] | None:
-    """Copy an optional mapping into a plain dict (wire maps are plain dicts)."""
-    return None if value is None else dict(value)
