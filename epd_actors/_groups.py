@@ -35,3 +35,8 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]
             yield from _leaves(exc)
         else:
             yield exc
+
+
+def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first exception in ``group`` that is not itself a group (for messages)."""
+    return next(_leaves(group))

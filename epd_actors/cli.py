@@ -19,6 +19,7 @@ from functools import partial
 
 import trio
 
+from ._groups import first_leaf
 from .bench.cli import add_bench_arguments, run_bench
 from .check_config import add_check_config_arguments, check_topology, run_check_config
 from .config_file import FileConfig, load_config, parse_host_port
@@ -102,7 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         trio.run(_serve, config)
     except* OSError as group:
-        print(f"epd_actors serve: cannot listen: {group.exceptions[0]}", file=sys.stderr)
+        print(f"epd_actors serve: cannot listen: {first_leaf(group)}", file=sys.stderr)
         status = 2
     return status
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ._groups import first_leaf
 from .config import PoolConfig, RouterConfig, WorkerEndpoint
 from .config_file import FileConfig, ServerConfig
 from .deployment import LocalWorkers, WorkerSpec, open_local_workers
@@ -133,11 +134,11 @@ def run_local(args: argparse.Namespace) -> int:
     try:
         trio.run(serve_local, args)
     except* OSError as group:
-        print(f"epd_actors: cannot serve: {group.exceptions[0]}", file=sys.stderr)
+        print(f"epd_actors: cannot serve: {first_leaf(group)}", file=sys.stderr)
         print("epd_actors: is the port taken? try --port 0", file=sys.stderr)
         status = 2
     except* WorkerError as group:
-        print(f"epd_actors: {group.exceptions[0]}", file=sys.stderr)
+        print(f"epd_actors: {first_leaf(group)}", file=sys.stderr)
         status = 2
     except* KeyboardInterrupt:
         print("epd_actors: interrupted again; stopped at once.", file=sys.stderr)

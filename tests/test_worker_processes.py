@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
+import subprocess
+import sys
 from typing import TYPE_CHECKING
 
 import pytest
 import trio
 
-from epd_actors.addresses import Address, open_stream
+from epd_actors.addresses import Address, open_stream, parse_address
 from epd_actors.deployment import WorkerSpec, open_local_workers
 from epd_actors.protocol import (
     PROTOCOL_VERSION,
@@ -150,3 +153,41 @@ async def test_worker_on_a_unix_socket(tmp_path: Path) -> None:
             client = await dial(address)
             await client.aclose()
         assert workers["d-unix"].exits == [0]
+
+
+async def test_an_engine_crash_exits_3_and_says_why(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "epd_actors",
+        "worker",
+        "--role",
+        "decode",
+        "--sim-store-dir",
+        str(tmp_path),
+        "--sim-crash-on-request",
+        "1",
+    ]
+    with trio.fail_after(60):
+        process = await trio.lowlevel.open_process(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, AUTH_TOKEN_ENV: TOKEN},
+        )
+        assert process.stdout is not None
+        assert process.stderr is not None
+        line = b""
+        while b"listening on " not in line:
+            line += await process.stdout.receive_some(4096)
+        address = parse_address(line.decode().split("listening on ", 1)[1].split()[0])
+        client = await dial(address)
+        await client.send(GenerateRequest("r", Prompt(text="hi"), kv_transfer_params={}))
+        assert await process.wait() == 3
+        errors = b""
+        while chunk := await process.stderr.receive_some(4096):
+            errors += chunk
+        await client.aclose()
+    message = errors.decode()
+    assert "engine crashed:" in message
+    assert "Exceptions from Trio nursery" not in message

@@ -17,11 +17,14 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from .._groups import first_leaf
 from ..addresses import bound_address, open_listeners, parse_address
 from ..errors import ConfigError, EngineCrashed
 from ..protocol import Role
 from .engines.sim import SimEngine
 from .engines.sim_cli import add_sim_arguments, sim_config_from_args, sim_stores_from_args
+from .engines.vllm_args import add_vllm_arguments
+from .openai_server import SimOpenAIServer, serve_openai_process
 from .runtime import WorkerConfig, WorkerServer
 
 if TYPE_CHECKING:
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from .engine import Engine
+    from .engines.vllm_args import VllmOptions
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,9 @@ EXIT_ENGINE_CRASHED = 3
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the ``worker`` subcommand."""
     parser.add_argument("--role", required=True, choices=[r.value for r in Role])
-    parser.add_argument("--engine", default="sim", choices=["sim"], help="engine (default sim)")
+    parser.add_argument(
+        "--engine", default="sim", choices=["sim", "vllm"], help="engine (default sim)"
+    )
     parser.add_argument(
         "--listen",
         default="tcp://127.0.0.1:0",
@@ -63,7 +69,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--heartbeat-delay", type=float, default=0.0, metavar="SECONDS", help="fault injection"
     )
     parser.add_argument("--heartbeat-drop", action="store_true", help="fault injection")
+    parser.add_argument(
+        "--serve-openai",
+        action="store_true",
+        help="serve vLLM's OpenAI HTTP API (the disaggregated contract) instead of the "
+        "native protocol, for the openai_http backend; sim engine only, no auth (testing)",
+    )
     add_sim_arguments(parser)
+    add_vllm_arguments(parser)
 
 
 def _auth_token(args: argparse.Namespace) -> str | None:
@@ -90,24 +103,15 @@ def _positive(name: str, value: float) -> None:
         raise ConfigError(f"{name} must be > 0, got {value}")
 
 
-def build_worker(args: argparse.Namespace) -> WorkerServer:
-    """Validate the options and build the engine and server (no I/O yet)."""
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """Validate the runtime's options (any engine) and build its configuration."""
     role = Role(args.role)
     worker_id = args.worker_id or f"{role.value}-{os.getpid()}"
     _positive("--max-concurrency", args.max_concurrency)
     _positive("--drain-timeout", args.drain_timeout)
     if args.max_queued < 0:
         raise ConfigError(f"--max-queued must be >= 0, got {args.max_queued}")
-    stores = sim_stores_from_args(args)
-    engine: Engine = SimEngine(
-        role,
-        worker_id=worker_id,
-        config=sim_config_from_args(args),
-        ec_store=stores.ec,
-        kv_store=stores.kv,
-        model=args.model,
-    )
-    config = WorkerConfig(
+    return WorkerConfig(
         worker_id=worker_id,
         auth_token=_auth_token(args),
         max_concurrency=args.max_concurrency,
@@ -116,7 +120,68 @@ def build_worker(args: argparse.Namespace) -> WorkerServer:
         heartbeat_delay_s=args.heartbeat_delay,
         heartbeat_drop=args.heartbeat_drop,
     )
+
+
+def build_worker(args: argparse.Namespace) -> WorkerServer:
+    """Validate the options and build the (simulator) engine and server (no I/O yet)."""
+    config = worker_config_from_args(args)
+    if getattr(args, "engine_args", None):
+        raise ConfigError("arguments after -- are vLLM engine arguments: they need --engine vllm")
+    stores = sim_stores_from_args(args)
+    engine: Engine = SimEngine(
+        Role(args.role),
+        worker_id=config.worker_id,
+        config=sim_config_from_args(args),
+        ec_store=stores.ec,
+        kv_store=stores.kv,
+        model=args.model,
+    )
     return WorkerServer(engine, config)
+
+
+def build_openai_server(args: argparse.Namespace) -> SimOpenAIServer:
+    """The simulator behind vLLM's OpenAI HTTP API (``--serve-openai``; no I/O yet)."""
+    if args.engine != "sim":
+        raise ConfigError("--serve-openai serves the simulator; for vLLM run `vllm serve` itself")
+    role = Role(args.role)
+    worker_id = args.worker_id or f"{role.value}-{os.getpid()}"
+    stores = sim_stores_from_args(args)
+    engine = SimEngine(
+        role,
+        worker_id=worker_id,
+        config=sim_config_from_args(args),
+        ec_store=stores.ec,
+        kv_store=stores.kv,
+        model=args.model,
+    )
+    return SimOpenAIServer(engine, worker_id=worker_id)
+
+
+def _run_vllm_worker(args: argparse.Namespace) -> None:
+    """Check every option, then start vLLM and serve (``--engine vllm``)."""
+    from .engines.vllm_args import (
+        check_vllm_installed,
+        engine_cli_args,
+        vllm_options_from_args,
+    )
+
+    config = worker_config_from_args(args)
+    if args.model == "sim-model":
+        raise ConfigError("--engine vllm needs --model (a model directory or Hugging Face id)")
+    options = vllm_options_from_args(args)
+    engine_cli_args(Role(args.role), args.model, options)  # checks the role's connectors
+    check_vllm_installed()
+    trio.run(_serve_vllm_worker, args, config, options)
+
+
+async def _serve_vllm_worker(
+    args: argparse.Namespace, config: WorkerConfig, options: VllmOptions
+) -> None:
+    """Start the engine (minutes, for a big model), then bind and serve."""
+    from .engines.vllm import open_vllm_engine
+
+    async with open_vllm_engine(Role(args.role), args.model, options) as engine:
+        await serve_worker_process(WorkerServer(engine, config), args.listen)
 
 
 async def serve_worker_process(server: WorkerServer, listen: str) -> None:
@@ -158,18 +223,23 @@ def run_worker(args: argparse.Namespace) -> int:
     """Entry point of ``python -m epd_actors worker``; returns the exit status."""
     status = 0
     try:
-        server = build_worker(args)
-        trio.run(serve_worker_process, server, args.listen)
+        if getattr(args, "serve_openai", False):
+            trio.run(serve_openai_process, build_openai_server(args), args.listen)
+        elif args.engine == "vllm":
+            _run_vllm_worker(args)
+        else:
+            server = build_worker(args)
+            trio.run(serve_worker_process, server, args.listen)
     except* ConfigError as group:
-        print(f"epd_actors worker: configuration error: {group.exceptions[0]}", file=sys.stderr)
+        print(f"epd_actors worker: configuration error: {first_leaf(group)}", file=sys.stderr)
         status = 2
     except* OSError as group:
         print(
-            f"epd_actors worker: cannot listen on {args.listen}: {group.exceptions[0]}",
+            f"epd_actors worker: cannot listen on {args.listen}: {first_leaf(group)}",
             file=sys.stderr,
         )
         status = 2
     except* EngineCrashed as group:
-        print(f"epd_actors worker: engine crashed: {group.exceptions[0]}", file=sys.stderr)
+        print(f"epd_actors worker: engine crashed: {first_leaf(group)}", file=sys.stderr)
         status = EXIT_ENGINE_CRASHED
     return status

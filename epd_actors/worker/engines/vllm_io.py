@@ -1,0 +1,368 @@
+"""Conversions between the native protocol and vLLM's inputs and outputs (no vLLM import).
+
+Requests become vLLM prompts (:func:`render_prompt`: token ids and text pass
+through, chat messages go through the model's chat template with a media
+placeholder where each media part is; media decoded once per item) and
+``SamplingParams`` keyword arguments (:func:`sampling_kwargs`); vLLM's
+``RequestOutput`` objects in ``DELTA`` mode become :class:`Delta` messages
+(:class:`StreamAccumulator`).  Everything here is synchronous and pure apart
+from media decoding, so it runs in a worker thread or inline.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from ...errors import EngineError
+from ...protocol import ChatMessage, Delta, ErrorCode, MediaItem, Prompt, SamplingParams, Usage
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "FAILED_FINISH_REASONS",
+    "CompletionOutputLike",
+    "MediaDecoder",
+    "RenderedPrompt",
+    "RequestOutputLike",
+    "StreamAccumulator",
+    "check_finish",
+    "decode_media_item",
+    "render_prompt",
+    "sampling_kwargs",
+    "wire_params",
+]
+
+# vLLM finish reasons that mean the request did not complete.
+FAILED_FINISH_REASONS: Final = frozenset({"abort", "error"})
+
+MediaDecoder = Callable[[MediaItem], object]
+"""Turns a media item into what vLLM's ``multi_modal_data`` takes (a PIL image)."""
+
+
+# ---------------------------------------------------------------- vLLM's outputs, as read
+
+
+class CompletionOutputLike(Protocol):
+    """The parts of vLLM's ``CompletionOutput`` the adapter reads."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def logprobs(self) -> Any:
+        """Per token, a mapping token id -> object with ``.logprob`` (None unless asked)."""
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+
+class RequestOutputLike(Protocol):
+    """The parts of vLLM's ``RequestOutput`` the adapter reads.
+
+    ``ec_transfer_params`` is read with ``getattr`` (absent in older vLLM).
+    """
+
+    @property
+    def outputs(self) -> Sequence[CompletionOutputLike]: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int] | None: ...
+    @property
+    def kv_transfer_params(self) -> Mapping[str, Any] | None: ...
+
+
+# ---------------------------------------------------------------- requests -> vLLM inputs
+
+
+def sampling_kwargs(
+    sampling: SamplingParams,
+    *,
+    output_kind: str,
+    max_tokens: int | None = None,
+    extra_args: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` keyword arguments for ``sampling``.
+
+    ``max_tokens`` overrides the request's (E and P ask for one token; then
+    ``min_tokens``, ``stop`` and ``logprobs`` are dropped too).
+    """
+    one_token = max_tokens is not None
+    kwargs: dict[str, Any] = {
+        "max_tokens": sampling.max_tokens if max_tokens is None else max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "seed": sampling.seed,
+        "min_tokens": 0 if one_token else sampling.min_tokens,
+        "stop": [] if one_token else list(sampling.stop),
+        "logprobs": None if one_token else sampling.logprobs,
+        "output_kind": output_kind,
+    }
+    if extra_args:
+        kwargs["extra_args"] = dict(extra_args)
+    return kwargs
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    """A vLLM prompt (``TextPrompt``/``TokensPrompt`` dict) and how to tokenize it."""
+
+    prompt: dict[str, Any]
+    tokenization_kwargs: dict[str, Any] | None = None
+
+
+def decode_media_item(item: MediaItem) -> object:
+    """Decode an image with Pillow (imported here: vLLM depends on it anyway).
+
+    Raises:
+        EngineError: ``invalid_request`` for other modalities and undecodable bytes.
+    """
+    if item.modality != "image":
+        raise EngineError(
+            ErrorCode.INVALID_REQUEST, f"the vLLM engine decodes images only, not {item.mime_type}"
+        )
+    try:
+        image_module = importlib.import_module("PIL.Image")
+    except ImportError:
+        raise EngineError(ErrorCode.ENGINE_ERROR, "Pillow is needed to decode images") from None
+    try:
+        with image_module.open(io.BytesIO(item.data)) as image:
+            image.load()
+            return image.convert("RGB")
+    except (OSError, ValueError, image_module.DecompressionBombError) as exc:
+        raise EngineError(ErrorCode.INVALID_REQUEST, f"cannot decode image: {exc}") from None
+
+
+def _invalid(message: str) -> EngineError:
+    return EngineError(ErrorCode.INVALID_REQUEST, message)
+
+
+def _conversation(
+    messages: Sequence[ChatMessage], media: Sequence[MediaItem]
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """Chat messages for a Hugging Face chat template, and the media order they use.
+
+    A text-only message keeps string content (every template handles that); a
+    message with media becomes a list of ``{"type": "text"}`` and ``{"type":
+    "image"}`` (or audio, video) parts where the client put them.
+    """
+    conversation: list[dict[str, Any]] = []
+    order: list[int] = []
+    for message in messages:
+        if all(isinstance(part, str) for part in message.parts):
+            conversation.append({"role": message.role, "content": "".join(map(str, message.parts))})
+            continue
+        content: list[dict[str, Any]] = []
+        for part in message.parts:
+            if isinstance(part, str):
+                content.append({"type": "text", "text": part})
+                continue
+            if not 0 <= part < len(media):
+                raise _invalid(f"message part refers to media item {part} of {len(media)}")
+            content.append({"type": media[part].modality})
+            order.append(part)
+        conversation.append({"role": message.role, "content": content})
+    unused = sorted(set(range(len(media))) - set(order))
+    if unused:
+        raise _invalid(f"media item {unused[0]} is not referenced by any message part")
+    return conversation, order
+
+
+def _apply_template(
+    tokenizer: Any, conversation: list[dict[str, Any]], template: str | None
+) -> str:
+    if tokenizer is None:
+        raise EngineError(ErrorCode.ENGINE_ERROR, "this vLLM engine has no tokenizer for chats")
+    if template is None and getattr(tokenizer, "chat_template", "") is None:
+        raise EngineError(
+            ErrorCode.ENGINE_ERROR,
+            "the model has no chat template; start the worker with --chat-template",
+        )
+    options: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+    if template is not None:
+        options["chat_template"] = template
+    try:
+        text = tokenizer.apply_chat_template(conversation, **options)
+    except Exception as exc:  # Jinja errors, raise_exception() in templates
+        raise _invalid(f"the chat template refused the messages: {exc}") from None
+    if not isinstance(text, str):
+        raise EngineError(ErrorCode.ENGINE_ERROR, "the chat template did not render to text")
+    return text
+
+
+def render_prompt(
+    prompt: Prompt,
+    media: Sequence[MediaItem],
+    *,
+    tokenizer: Any,
+    chat_template: str | None = None,
+    decode_media: MediaDecoder = decode_media_item,
+) -> RenderedPrompt:
+    """Turn a request's prompt and media into a vLLM prompt.
+
+    Token ids pass through; text passes through (it must already hold the
+    model's media placeholders, if any); chat messages go through the chat
+    template with a placeholder where each media part is, and are tokenized
+    without extra special tokens (the template has them).  Each distinct media
+    item (by content hash) is decoded once; ``multi_modal_data`` lists the
+    decoded items per modality in placeholder order.
+
+    Raises:
+        EngineError: ``invalid_request`` for bad media references, undecodable
+            media or a template refusal; ``engine_error`` without a template.
+    """
+    tokenization: dict[str, Any] | None = None
+    if prompt.messages is not None:
+        conversation, order = _conversation(prompt.messages, media)
+        inputs: dict[str, Any] = {"prompt": _apply_template(tokenizer, conversation, chat_template)}
+        tokenization = {"add_special_tokens": False}
+    else:
+        order = list(range(len(media)))
+        if prompt.token_ids is not None:
+            inputs = {"prompt_token_ids": list(prompt.token_ids)}
+        else:
+            inputs = {"prompt": prompt.text}
+    if order:
+        decoded: dict[str, object] = {}
+        multi_modal: dict[str, list[object]] = {}
+        for index in order:
+            item = media[index]
+            if item.content_hash not in decoded:
+                decoded[item.content_hash] = decode_media(item)
+            multi_modal.setdefault(item.modality, []).append(decoded[item.content_hash])
+        inputs["multi_modal_data"] = multi_modal
+    return RenderedPrompt(inputs, tokenization)
+
+
+def wire_params(params: Mapping[str, Any] | None, what: str) -> dict[str, object] | None:
+    """vLLM's transfer params as plain JSON-like data (what the wire codec carries).
+
+    Raises:
+        EngineError: ``engine_error`` when they are not JSON-like.
+    """
+    if params is None:
+        return None
+    try:
+        plain = json.loads(json.dumps(params))
+    except (TypeError, ValueError) as exc:
+        raise EngineError(
+            ErrorCode.ENGINE_ERROR, f"vLLM's {what} are not plain data: {exc}"
+        ) from None
+    if not isinstance(plain, dict):
+        raise EngineError(ErrorCode.ENGINE_ERROR, f"vLLM's {what} are not a mapping")
+    return plain
+
+
+def check_finish(reason: str | None, vllm_id: str) -> None:
+    """Refuse an output vLLM finished without completing it (``abort``, ``error``).
+
+    Raises:
+        EngineError: ``engine_error``, retryable.
+    """
+    if reason in FAILED_FINISH_REASONS:
+        raise EngineError(
+            ErrorCode.ENGINE_ERROR,
+            f"vLLM finished request {vllm_id} with {reason!r}",
+            retryable=True,
+        )
+
+
+def _sampled_logprobs(output: CompletionOutputLike) -> list[float] | None:
+    """The sampled tokens' logprobs (vLLM gives, per token, top candidates plus it)."""
+    entries = output.logprobs
+    token_ids = list(output.token_ids)
+    if entries is None or len(entries) != len(token_ids):
+        return None
+    values: list[float] = []
+    for entry, token_id in zip(entries, token_ids, strict=True):
+        found = entry[token_id]
+        values.append(float(getattr(found, "logprob", found)))
+    return values
+
+
+class StreamAccumulator:
+    """Turns one generate request's ``DELTA``-mode outputs into deltas.
+
+    Args:
+        request_id: stamped on the deltas.
+        want_logprobs: whether the request asked for logprobs.
+        start: when the request started (``trio.current_time()``), for timings.
+    """
+
+    __slots__ = (
+        "completion_tokens",
+        "finish_reason",
+        "first_at",
+        "prompt_tokens",
+        "request_id",
+        "start",
+        "want_logprobs",
+    )
+
+    def __init__(self, request_id: str, *, want_logprobs: bool, start: float) -> None:
+        self.request_id = request_id
+        self.want_logprobs = want_logprobs
+        self.start = start
+        self.completion_tokens = 0
+        self.prompt_tokens = 0
+        self.finish_reason: str | None = None
+        self.first_at: float | None = None
+
+    def take(self, outputs: Sequence[RequestOutputLike], now: float) -> Delta | None:
+        """Merge a batch of outputs into one delta; None when it holds nothing new.
+
+        Once an output is finished, :attr:`finish_reason` is set and the delta
+        returned is the terminal one (``finish_reason``, ``usage``, timings).
+        """
+        token_ids: list[int] = []
+        texts: list[str] = []
+        logprobs: list[float] | None = [] if self.want_logprobs else None
+        for output in outputs:
+            if output.prompt_token_ids is not None:
+                self.prompt_tokens = len(output.prompt_token_ids)
+            completion = output.outputs[0] if output.outputs else None
+            if output.finished:
+                reason = completion.finish_reason if completion is not None else None
+                self.finish_reason = reason or "stop"
+            if completion is None:
+                continue
+            token_ids.extend(completion.token_ids)
+            texts.append(completion.text)
+            if logprobs is not None:
+                sampled = _sampled_logprobs(completion)
+                logprobs = None if sampled is None else [*logprobs, *sampled]
+        self.completion_tokens += len(token_ids)
+        delta = Delta(
+            self.request_id,
+            token_ids=tuple(token_ids),
+            text="".join(texts),
+            logprobs=tuple(logprobs) if logprobs is not None else None,
+        )
+        if self.finish_reason is not None:
+            return self._terminal(delta, now)
+        if not token_ids and not delta.text:
+            return None
+        if self.first_at is None:
+            self.first_at = now
+        return delta
+
+    def _terminal(self, delta: Delta, now: float) -> Delta:
+        first_at = self.first_at if self.first_at is not None else now
+        return replace(
+            delta,
+            finish_reason=self.finish_reason,
+            usage=Usage(self.prompt_tokens, self.completion_tokens),
+            timings={
+                "ttft_s": first_at - self.start,
+                "decode_s": now - first_at,
+                "total_s": now - self.start,
+            },
+        )
