@@ -35,16 +35,14 @@ from epd_actors.errors import (
     StageTimeout,
     Unauthorized,
 )
-from epd_actors.frontends.ws import (
+from epd_actors.frontends.ws import WsServer, WsSettings, serve_ws
+from epd_actors.frontends.ws_messages import (
     CancelMessage,
     GenerateMessage,
     PingMessage,
     WsMessageError,
-    WsServer,
-    WsSettings,
     error_payload,
     parse_client_message,
-    serve_ws,
 )
 from epd_actors.router import open_router
 from epd_actors.testing import SimFleet, build_sim_fleet, sim_config

@@ -8,6 +8,9 @@ missing or wrong API key (401) and otherwise accepts and serves the
 connection with a :class:`WsConnection`.  docs/websocket.md defines the
 messages.
 
+The messages themselves (parsing and building them) live in
+:mod:`.ws_messages`; this module does the I/O.
+
 A connection owns one nursery holding three kinds of task:
 
 * the *reader* (the handler task itself) takes client messages one at a time,
@@ -42,7 +45,6 @@ refusals are :class:`WsMessageError` (an ``HttpError`` whose status is unused).
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -55,29 +57,36 @@ from trio_websocket import ConnectionClosed, Endpoint, serve_websocket
 
 from ..errors import ActorCrashed, ConfigError, EpdError, Overloaded, Unauthorized
 from ..request import DeltaEvent, DoneEvent, ErrorEvent
-from .http_errors import HttpError, error_response
+from .http_errors import HttpError
 from .media import MediaLimits, open_media_fetcher, resolve_media
-from .openai_format import error_body, usage_body
-from .openai_schema import RequestKind, parse_chat_completion, parse_completion
+from .openai_schema import parse_chat_completion, parse_completion
+from .ws_messages import (
+    PONG,
+    CancelMessage,
+    GenerateMessage,
+    PingMessage,
+    WsMessageError,
+    cancelled_message,
+    compact_json,
+    delta_message,
+    done_message,
+    error_message,
+    error_payload,
+    parse_client_message,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
     from contextlib import AbstractAsyncContextManager
 
     from trio_websocket import WebSocketConnection, WebSocketRequest, WebSocketServer
 
-    from ..request import GenerationEvent, GenerationRequest, RequestTimings
+    from ..request import GenerationEvent, GenerationRequest
     from .media import MediaFetcher
     from .openai_schema import ParsedRequest
 
 logger = logging.getLogger(__name__)
 
 MIB: Final = 1024 * 1024
-
-MAX_ID_CHARS: Final = 256
-"""Longest client generation id (characters)."""
-
-PONG: Final = '{"type":"pong"}'
 
 
 class WsApp(Protocol):
@@ -137,151 +146,6 @@ class WsSettings:
             value = getattr(self, name)
             if not value > 0 or math.isnan(value):
                 raise ConfigError(f"ws.{name} must be a positive number, got {value!r}")
-
-
-# ---------------------------------------------------------------- client messages
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateMessage:
-    """``{"type": "generate", "id", "kind", "request"}``; ``request`` is checked later."""
-
-    id: str
-    kind: RequestKind
-    request: object
-
-
-@dataclass(frozen=True, slots=True)
-class CancelMessage:
-    """``{"type": "cancel", "id"}``."""
-
-    id: str
-
-
-@dataclass(frozen=True, slots=True)
-class PingMessage:
-    """``{"type": "ping"}``."""
-
-
-ClientMessage = GenerateMessage | CancelMessage | PingMessage
-
-
-class WsMessageError(HttpError):
-    """A client message the server refuses; ``client_id`` is its id when it had a usable one."""
-
-    def __init__(
-        self, message: str, *, code: str, param: str | None = None, client_id: str | None = None
-    ) -> None:
-        super().__init__(400, message, code=code, param=param)
-        self.client_id = client_id
-
-
-def parse_client_message(data: str | bytes) -> ClientMessage:
-    """One client frame -> a typed message.
-
-    Raises:
-        WsMessageError: not JSON, not an object, an unknown ``type``, a bad
-            ``id`` (``client_id`` is None), or a bad ``kind`` (``client_id`` set).
-    """
-    if not isinstance(data, str):
-        raise WsMessageError("messages must be text frames holding JSON", code="invalid_message")
-    try:
-        fields = json.loads(data, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as exc:
-        raise WsMessageError(f"message is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(fields, dict):
-        raise WsMessageError("a message must be a JSON object", code="invalid_message")
-    kind = fields.get("type")
-    if kind == "ping":
-        return PingMessage()
-    if kind not in ("generate", "cancel"):
-        raise WsMessageError(
-            "type must be one of generate, cancel, ping", code="unknown_type", param="type"
-        )
-    client_id = fields.get("id")
-    if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_ID_CHARS:
-        raise WsMessageError(
-            f"id must be a string of 1 to {MAX_ID_CHARS} characters",
-            code="invalid_message",
-            param="id",
-        )
-    if kind == "cancel":
-        return CancelMessage(client_id)
-    request_kind = fields.get("kind")
-    if request_kind == "chat" or request_kind == "completion":
-        return GenerateMessage(client_id, request_kind, fields.get("request"))
-    raise WsMessageError(
-        "kind must be 'chat' or 'completion'",
-        code="invalid_message",
-        param="kind",
-        client_id=client_id,
-    )
-
-
-def _refuse_constant(name: str) -> object:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-# ---------------------------------------------------------------- server messages
-
-
-def _dumps(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
-def error_payload(exc: BaseException) -> dict[str, str | None]:
-    """The ``error`` object of an error message (``message``, ``type``, ``code``, ``param``)."""
-    answer = error_response(exc)
-    if answer is None:  # RequestCancelled by the router itself (e.g. shutdown)
-        return error_body(str(exc), type="cancelled", code="cancelled")["error"]
-    return answer.body["error"]
-
-
-def error_message(client_id: str | None, exc: BaseException) -> str:
-    """``{"type": "error", "id", "error"}``; ``id`` null for connection-level errors."""
-    return _dumps({"type": "error", "id": client_id, "error": error_payload(exc)})
-
-
-def delta_message(client_id: str, deltas: Sequence[DeltaEvent], *, logprobs: bool) -> str:
-    """One ``delta`` message carrying ``deltas`` merged, in order."""
-    body: dict[str, object] = {
-        "type": "delta",
-        "id": client_id,
-        "text": "".join(delta.text for delta in deltas),
-        "token_ids": [token for delta in deltas for token in delta.token_ids],
-    }
-    if logprobs:
-        body["logprobs"] = [value for delta in deltas for value in delta.logprobs or ()]
-    return _dumps(body)
-
-
-def done_message(client_id: str, done: DoneEvent, *, request_id: str) -> str:
-    """``{"type": "done", "id", "request_id", "finish_reason", "usage", "timings"}``."""
-    return _dumps(
-        {
-            "type": "done",
-            "id": client_id,
-            "request_id": request_id,
-            "finish_reason": done.finish_reason,
-            "usage": usage_body(done.usage),
-            "timings": timings_body(done.timings),
-        }
-    )
-
-
-def cancelled_message(client_id: str) -> str:
-    """``{"type": "cancelled", "id"}``."""
-    return _dumps({"type": "cancelled", "id": client_id})
-
-
-def timings_body(timings: RequestTimings) -> dict[str, object]:
-    """Where the time went, in seconds (worker ids are not shown to clients)."""
-    return {
-        "queue_wait_s": timings.queue_wait_s,
-        "stages": dict(timings.stages),
-        "ttft_s": timings.ttft_s,
-        "total_s": timings.total_s,
-    }
 
 
 # ---------------------------------------------------------------- server
@@ -446,7 +310,7 @@ class WsServer:
                 await request.reject(
                     status,
                     extra_headers=[(b"content-type", b"application/json")],
-                    body=_dumps({"error": error_payload(exc)}).encode(),
+                    body=compact_json({"error": error_payload(exc)}).encode(),
                 )
             return
         with trio.move_on_after(self.settings.handshake_timeout_s) as accepting:
