@@ -31,6 +31,7 @@ from epd_actors.backends.native import NativeBackend
 from epd_actors.backends.openai_http import (
     OpenAIHttpBackend,
     OpenAIHttpBackendFactory,
+    OpenAIHttpDeltaStream,
     OpenAIHttpSettings,
 )
 from epd_actors.backends.openai_http_contract import (
@@ -817,3 +818,28 @@ def test_the_worker_cli_serves_the_openai_api() -> None:
         finally:
             process.terminate()
             process.wait(timeout=10)
+
+
+async def test_a_stream_fails_soon_after_its_worker_goes_down() -> None:
+    """A server may keep a dead engine's stream open (vLLM does on shutdown)."""
+    settings = OpenAIHttpSettings(health_interval_s=0.02, failures_to_down=2)
+    configs = {"pd": SimConfig(stall_after_tokens=2, output_token_s=0.001)}
+    async with sim_http_fleet({"pd": 1}, configs=configs) as fleet:
+        factory = OpenAIHttpBackendFactory(settings)
+        async with running_backend(fleet, "pd-0", factory) as backend:
+            request = GenerateRequest(
+                "wedged", Prompt(text="x"), sampling=SamplingParams(max_tokens=50)
+            )
+            with trio.fail_after(5):
+                async with backend.open_stream(request) as stream:
+                    first = await stream.receive()
+                    assert first.text
+                    fleet.engine("pd-0").wedge()
+                    with pytest.raises(WorkerDisconnected, match="went down"):
+                        await read_to_the_end(stream)
+            assert not backend.status().ready
+
+
+async def read_to_the_end(stream: OpenAIHttpDeltaStream) -> None:
+    while True:
+        await stream.receive()

@@ -225,7 +225,17 @@ class OpenAIHttpDeltaStream:
                 self._reply.complete = self._parser.terminal_sent
                 return delta
             with backend._mapped("generate", request_id):
-                chunk = await anext(self._reply.chunks, None)
+                with trio.CancelScope() as watch:
+                    backend._stream_scopes.add(watch)
+                    try:
+                        chunk = await anext(self._reply.chunks, None)
+                    finally:
+                        backend._stream_scopes.discard(watch)
+                if watch.cancelled_caught:
+                    raise WorkerDisconnected(
+                        f"worker {backend.worker_id} went down (health probes) while "
+                        f"streaming {request_id!r}"
+                    )
                 if chunk is None:
                     self._reply.complete = True
                     final = self._parser.end_of_stream()
@@ -294,6 +304,7 @@ class OpenAIHttpBackend:
             failures_to_down=settings.failures_to_down, successes_to_up=settings.successes_to_up
         )
         self._changed = trio.Event()
+        self._stream_scopes: set[trio.CancelScope] = set()  # streams waiting for bytes
         self._in_flight = 0
         self._aborts_sent = 0  # requests closed before their answer (vLLM aborts them)
         self._probes = 0
@@ -451,6 +462,12 @@ class OpenAIHttpBackend:
             )
         self._changed.set()
         self._changed = trio.Event()
+        if not status.ready:
+            # A server can keep a stream's connection open after its engine
+            # died (vLLM does on shutdown): fail such streams now rather than
+            # after the inter-token deadline.
+            for scope in list(self._stream_scopes):
+                scope.cancel(reason=f"worker {self.worker_id} is down: {why}")
 
     def _set_down(self, why: str, *, expected: bool = False) -> None:
         if self._reachable.force_down() | self._healthy.force_down():

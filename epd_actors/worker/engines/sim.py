@@ -247,6 +247,7 @@ class SimEngine:
         self._stage_requests = 0
         self._in_flight = 0
         self._crashed = False
+        self._wedged = False
 
     def __repr__(self) -> str:
         state = "crashed" if self._crashed else f"in_flight={self._in_flight}"
@@ -413,8 +414,16 @@ class SimEngine:
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     def is_ready(self) -> bool:
-        """True until the simulated engine crashes."""
-        return not self._crashed
+        """True until the simulated engine crashes (or ``wedge`` was called)."""
+        return not self._crashed and not self._wedged
+
+    def wedge(self) -> None:
+        """Fault injection: report not ready from now on, as a wedged engine would.
+
+        Work already running is left alone (it hangs or finishes as configured);
+        health checks see the engine as down.
+        """
+        self._wedged = True
 
     def statistics(self) -> SimCounters:
         """A snapshot of the counters (sweeps expired handles first inside Trio)."""
