@@ -108,6 +108,7 @@ class RemoteWorkerError(WorkerError):
         worker_id: the worker that answered, when known.
         stage: the stage that failed, when known.
         request_id: the request the error belongs to.
+        param: the request field the worker blamed, when it named one.
     """
 
     def __init__(
@@ -119,6 +120,7 @@ class RemoteWorkerError(WorkerError):
         worker_id: str | None = None,
         stage: str | None = None,
         request_id: str | None = None,
+        param: str | None = None,
     ) -> None:
         where = f" (worker {worker_id}, stage {stage})" if worker_id or stage else ""
         super().__init__(f"{code}: {message}{where}")
@@ -128,6 +130,7 @@ class RemoteWorkerError(WorkerError):
         self.worker_id = worker_id
         self.stage = stage
         self.request_id = request_id
+        self.param = param
 
 
 class StreamOverrun(WorkerError):

@@ -843,3 +843,24 @@ async def test_a_stream_fails_soon_after_its_worker_goes_down() -> None:
 async def read_to_the_end(stream: OpenAIHttpDeltaStream) -> None:
     while True:
         await stream.receive()
+
+
+def test_a_vllm_refusal_keeps_the_field_it_blames() -> None:
+    from epd_actors.backends.openai_http_contract import error_param
+    from epd_actors.frontends.http_errors import error_response
+
+    body = (
+        b'{"object": "error", "message": "max_tokens is too large", "type": "BadRequestError",'
+        b' "param": null, "code": 400, "error": {"message": "max_tokens is too large",'
+        b' "param": "max_tokens"}}'
+    )
+    assert error_param(body) == "max_tokens"
+    assert error_param(b'{"object": "error", "message": "m", "param": "top_p"}') == "top_p"
+    assert error_param(b"<html>bad gateway</html>") is None
+    refusal = RemoteWorkerError(
+        ErrorCode.INVALID_REQUEST, "too large", retryable=False, param="max_tokens"
+    )
+    answer = error_response(refusal)
+    assert answer is not None
+    assert answer.status == 400
+    assert answer.body["error"]["param"] == "max_tokens"  # type: ignore[index]

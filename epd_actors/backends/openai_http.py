@@ -80,6 +80,7 @@ from .openai_http_contract import (
     encode_call,
     encode_result,
     error_message,
+    error_param,
     generate_call,
     json_object,
     prefill_call,
@@ -525,7 +526,9 @@ class OpenAIHttpBackend:
         if status >= 500 or status in _RETRYABLE_STATUSES:
             code = ErrorCode.OVERLOADED if status in (429, 503) else ErrorCode.ENGINE_ERROR
             return self._remote(code, message, stage, request_id, True)
-        return self._remote(ErrorCode.INVALID_REQUEST, message, stage, request_id, False)
+        refusal = self._remote(ErrorCode.INVALID_REQUEST, message, stage, request_id, False)
+        refusal.param = error_param(data)
+        return refusal
 
     def _require_client(self) -> httpx.AsyncClient:
         client = self._client

@@ -376,6 +376,20 @@ def error_message(data: bytes | str) -> str:
     return json.dumps(reply)[:200]
 
 
+def error_param(data: bytes | str) -> str | None:
+    """The ``param`` a vLLM (or OpenAI) error body blames, if it names one."""
+    try:
+        reply = json_object(data)
+    except ReplyError:
+        return None
+    error = reply.get("error")
+    if isinstance(error, dict) and isinstance(error.get("param"), str):
+        return str(error["param"])
+    if isinstance(reply.get("param"), str):  # the older, flat error body
+        return str(reply["param"])
+    return None
+
+
 # ---------------------------------------------------------------- server-sent events
 
 

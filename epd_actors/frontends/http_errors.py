@@ -102,7 +102,7 @@ def _classify(
     if isinstance(exc, StageTimeout):
         return 504, "timeout_error", exc.phase, None, ()
     if isinstance(exc, RemoteWorkerError) and exc.code == ErrorCode.INVALID_REQUEST:
-        return 400, "invalid_request_error", exc.code, None, ()
+        return 400, "invalid_request_error", exc.code, exc.param, ()
     if isinstance(exc, RemoteWorkerError):
         return 502, "upstream_error", exc.code, None, ()
     if isinstance(exc, WorkerError | ActorCrashed):
