@@ -15,6 +15,7 @@ before and after.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -82,15 +83,21 @@ class Process:
         return self.popen.pid
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        """SIGTERM the process's whole group (a wrapper's children too), then SIGKILL."""
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            self.popen.wait()
         if self.popen.stdout is not None:
             self.popen.stdout.close()
+
+    def _signal_group(self, signum: int) -> None:
+        # Started with start_new_session: the group outlives a leader that
+        # exited (py-spy's --duration ends py-spy, not the router it started).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signum)
 
 
 @dataclass
