@@ -13,7 +13,7 @@ workers see their aborts and nothing leaks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
 import pytest
@@ -21,9 +21,7 @@ import trio
 
 from epd_actors import (
     ChatMessage,
-    DeltaEvent,
     DoneEvent,
-    ErrorEvent,
     GenerationRequest,
     MediaItem,
     Prompt,
@@ -46,6 +44,7 @@ from epd_actors.transport import FramedStream
 from epd_actors.worker.engines.sim import SimConfig
 
 from .polling import wait_until
+from .streams import Seen, consume, run_one
 from .wire_fleet import WireFleet, open_wire_router
 
 if TYPE_CHECKING:
@@ -55,36 +54,6 @@ if TYPE_CHECKING:
     from epd_actors.router import Router
 
 GUARD_S = 600.0  # virtual seconds
-
-
-@dataclass
-class Seen:
-    tokens: int = 0
-    final: DoneEvent | ErrorEvent | None = None
-    first_token: trio.Event | None = None
-    ended_at: float = 0.0
-
-    @property
-    def error(self) -> BaseException | None:
-        return self.final.error if isinstance(self.final, ErrorEvent) else None
-
-
-async def consume(router: Router, request: GenerationRequest, seen: Seen) -> None:
-    async with router.generate(request) as events:
-        async for event in events:
-            if isinstance(event, DeltaEvent):
-                seen.tokens += len(event.token_ids)
-                if seen.first_token is not None:
-                    seen.first_token.set()
-            elif isinstance(event, DoneEvent | ErrorEvent):
-                seen.final = event
-    seen.ended_at = trio.current_time()
-
-
-async def run_one(router: Router, request: GenerationRequest) -> Seen:
-    seen = Seen()
-    await consume(router, request, seen)
-    return seen
 
 
 def text(max_tokens: int = 4, tag: str = "q") -> GenerationRequest:

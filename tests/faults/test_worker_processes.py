@@ -19,9 +19,7 @@ import trio
 
 from epd_actors import (
     ChatMessage,
-    DeltaEvent,
     DoneEvent,
-    ErrorEvent,
     GenerationRequest,
     MediaItem,
     PoolConfig,
@@ -38,6 +36,7 @@ from epd_actors.errors import WorkerDisconnected
 from epd_actors.worker.cli import AUTH_TOKEN_ENV
 
 from .polling import wait_until
+from .streams import Seen, consume, run_one
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -65,36 +64,6 @@ def image_request(max_tokens: int, tag: str) -> GenerationRequest:
         media=(IMAGE,),
         sampling=SamplingParams(max_tokens=max_tokens),
     )
-
-
-@dataclass
-class Outcome:
-    """What one client saw."""
-
-    tokens: int = 0
-    final: DoneEvent | ErrorEvent | None = None
-    first_token: trio.Event | None = None
-
-    @property
-    def error(self) -> BaseException | None:
-        return self.final.error if isinstance(self.final, ErrorEvent) else None
-
-
-async def consume(router: Router, request: GenerationRequest, outcome: Outcome) -> None:
-    async with router.generate(request) as events:
-        async for event in events:
-            if isinstance(event, DeltaEvent):
-                outcome.tokens += len(event.token_ids)
-                if outcome.first_token is not None:
-                    outcome.first_token.set()
-            elif isinstance(event, DoneEvent | ErrorEvent):
-                outcome.final = event
-
-
-async def run_one(router: Router, request: GenerationRequest) -> Outcome:
-    outcome = Outcome()
-    await consume(router, request, outcome)
-    return outcome
 
 
 def config_for(addresses: dict[str, str], layout: dict[str, list[str]]) -> RouterConfig:
@@ -178,8 +147,8 @@ async def test_kill_9_mid_request(case: KillCase, tmp_path: Path) -> None:
                 await router.wait_ready()
                 for worker_id in addresses:
                     await wait_connected(router.backends[worker_id])
-                victim_request = Outcome(first_token=trio.Event())
-                bystander = Outcome()
+                victim_request = Seen(first_token=trio.Event())
+                bystander = Seen()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(consume, router, make(max_tokens, "victim"), victim_request)
                     if case.streaming:
