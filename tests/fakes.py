@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import pytest
 import trio
 
 from epd_actors.errors import EngineCrashed, EngineError
@@ -99,3 +100,16 @@ def engine_error(code: str = ErrorCode.ENGINE_ERROR, *, retryable: bool = True) 
 
 def engine_crash() -> EngineCrashed:
     return EngineCrashed("scripted crash")
+
+
+ENGINE_FAILURES = [
+    pytest.param(
+        engine_error(ErrorCode.MISSING_ENCODER_CACHE, retryable=False),
+        "missing_encoder_cache",
+        False,
+        id="typed-engine-error",
+    ),
+    pytest.param(engine_error(), "engine_error", True, id="retryable-engine-error"),
+    pytest.param(RuntimeError("boom"), "internal", True, id="unexpected-exception"),
+]
+"""(what the engine raises, the wire code, retryable) -- for runtime and backend tests."""

@@ -58,7 +58,7 @@ from epd_actors.protocol.codec import HEADER
 from epd_actors.transport import FramedStream
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
 
-from .fakes import ScriptedEngine, engine_error
+from .fakes import ENGINE_FAILURES, ScriptedEngine, engine_error
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -341,19 +341,7 @@ async def test_run_stage_returns_each_stage_result(autojump_clock: object) -> No
         assert backend.statistics().in_flight == 0
 
 
-@pytest.mark.parametrize(
-    ("failure", "code", "retryable"),
-    [
-        (
-            engine_error(ErrorCode.MISSING_ENCODER_CACHE, retryable=False),
-            "missing_encoder_cache",
-            False,
-        ),
-        (engine_error(), "engine_error", True),
-        (RuntimeError("boom"), "internal", True),
-    ],
-    ids=["typed", "retryable", "unexpected"],
-)
+@pytest.mark.parametrize(("failure", "code", "retryable"), ENGINE_FAILURES)
 async def test_error_replies_become_typed_remote_errors(
     autojump_clock: object, failure: BaseException, code: str, retryable: bool
 ) -> None:

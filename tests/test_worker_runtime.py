@@ -36,7 +36,7 @@ from epd_actors.protocol.codec import HEADER
 from epd_actors.transport import FramedStream
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
 
-from .fakes import ScriptedEngine, engine_crash, engine_error
+from .fakes import ENGINE_FAILURES, ScriptedEngine, engine_crash, engine_error
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -206,19 +206,7 @@ async def test_queued_deltas_are_merged_into_one_frame() -> None:
         await client.aclose()
 
 
-@pytest.mark.parametrize(
-    ("failure", "code", "retryable"),
-    [
-        (
-            engine_error(ErrorCode.MISSING_ENCODER_CACHE, retryable=False),
-            "missing_encoder_cache",
-            False,
-        ),
-        (engine_error(), "engine_error", True),
-        (RuntimeError("boom"), "internal", True),
-    ],
-    ids=["typed-engine-error", "retryable-engine-error", "unexpected-exception"],
-)
+@pytest.mark.parametrize(("failure", "code", "retryable"), ENGINE_FAILURES)
 async def test_engine_failures_become_error_replies(
     failure: BaseException, code: str, retryable: bool
 ) -> None:
