@@ -278,27 +278,28 @@ def consume_body(
     return body
 
 
-def prefill_call(request: PrefillRequest, *, model: str, return_token_ids: bool) -> HttpCall:
-    """P's request: the rebuilt original body under :func:`prefill_body`."""
-    path, body = openai_request(
+def _original(
+    request: PrefillRequest | GenerateRequest, model: str, return_token_ids: bool
+) -> tuple[str, dict[str, object]]:
+    """The client's request rebuilt from a stage request: (path, body)."""
+    return openai_request(
         request.prompt,
         request.media,
         request.sampling,
         model=model,
         return_token_ids=return_token_ids,
     )
+
+
+def prefill_call(request: PrefillRequest, *, model: str, return_token_ids: bool) -> HttpCall:
+    """P's request: the rebuilt original body under :func:`prefill_body`."""
+    path, body = _original(request, model, return_token_ids)
     return HttpCall(path, prefill_body(body, request.ec_transfer_params), request.request_id)
 
 
 def generate_call(request: GenerateRequest, *, model: str, return_token_ids: bool) -> HttpCall:
     """D's or PD's request: the rebuilt original body under :func:`stream_body`."""
-    path, body = openai_request(
-        request.prompt,
-        request.media,
-        request.sampling,
-        model=model,
-        return_token_ids=return_token_ids,
-    )
+    path, body = _original(request, model, return_token_ids)
     streamed = stream_body(
         body,
         kv_transfer_params=request.kv_transfer_params,
