@@ -120,6 +120,11 @@ class Policy(Protocol):
         """The configured name of the policy, one of :data:`POLICY_NAMES`."""
         ...
 
+    @property
+    def uses_affinity(self) -> bool:
+        """Whether ``choose`` reads ``key.affinity`` (callers skip computing it if not)."""
+        ...
+
     def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
         """Pick one of ``candidates`` for the call described by ``key``.
 
@@ -188,6 +193,7 @@ class RoundRobin:
     __slots__ = ("_last",)
 
     name = "round_robin"
+    uses_affinity = False
 
     def __init__(self) -> None:
         self._last: str | None = None
@@ -214,6 +220,7 @@ class RandomChoice:
     __slots__ = ("_rng",)
 
     name = "random"
+    uses_affinity = False
 
     def __init__(self, *, rng: random.Random | None = None) -> None:
         self._rng = rng if rng is not None else random.Random()
@@ -238,6 +245,7 @@ class LeastInFlight:
     __slots__ = ("_last",)
 
     name = "least_in_flight"
+    uses_affinity = False
 
     def __init__(self) -> None:
         self._last: str | None = None
@@ -269,6 +277,7 @@ class PowerOfTwoChoices:
     __slots__ = ("_rng",)
 
     name = "power_of_two"
+    uses_affinity = False
 
     def __init__(self, *, rng: random.Random | None = None) -> None:
         self._rng = rng if rng is not None else random.Random()
@@ -345,6 +354,7 @@ class ConsistentHash:
     __slots__ = ("_fallback", "_load_factor")
 
     name = "consistent_hash"
+    uses_affinity = True
 
     def __init__(self, *, load_factor: float | None = 1.25, fallback: Policy | None = None) -> None:
         if load_factor is not None and not load_factor >= 1.0:

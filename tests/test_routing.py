@@ -612,3 +612,8 @@ def test_affinity_for_prompt_rejects_bad_prefix(prefix_chars: int) -> None:
 def test_consistent_hash_config_error_from_constructor() -> None:
     with pytest.raises(ConfigError, match="load_factor"):
         ConsistentHash(load_factor=0.9)
+
+
+def test_only_consistent_hash_reads_the_affinity() -> None:
+    readers = {name for name in POLICY_NAMES if make_policy(name).uses_affinity}
+    assert readers == {"consistent_hash"}

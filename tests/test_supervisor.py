@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from epd_actors.actors import BaseActor, Job, StageOutput
+from epd_actors.actors import BaseActor, Job, StageContext, StageOutput
 from epd_actors.actors.registry import STAGE_ACTORS, register_stage
 from epd_actors.config import ActorLimits, AdmissionLimits, Deadlines
 from epd_actors.errors import (
@@ -633,3 +633,27 @@ async def test_priority_decides_who_is_admitted_near_the_limit(autojump_clock: o
 def test_an_unknown_priority_is_invalid() -> None:
     with pytest.raises(InvalidRequest, match="priority"):
         GenerationRequest(Prompt(text="x"), priority="urgent")
+
+
+async def test_prompt_affinity_is_computed_only_for_policies_that_read_it() -> None:
+    fleet = build_sim_fleet(
+        {"prefill": 4, "decode": 1},
+        policies={"prefill": "consistent_hash", "decode": "least_in_flight"},
+    )
+    supervisor = Supervisor(fleet.pools)
+    prefill, decode = supervisor.actors["prefill"], supervisor.actors["decode"]
+    context = StageContext(text(request_id="k"), "k.1")
+    job_key = prefill.route_key(Job(context, None, trio.open_memory_channel(1)[0], 0.0))
+    assert job_key.affinity is not None
+    assert (
+        decode.route_key(Job(context, None, trio.open_memory_channel(1)[0], 0.0)).affinity is None
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        chosen = set()
+        for n in range(5):
+            done = final(await collect(supervisor, text(request_id=f"same{n}")))
+            assert isinstance(done, DoneEvent)
+            chosen.add(done.timings.workers["prefill"])
+        nursery.cancel_scope.cancel()
+    assert len(chosen) == 1  # the same prompt prefix goes to the same prefill worker

@@ -130,7 +130,12 @@ class BaseActor:
         return [None]
 
     def route_key(self, job: Job) -> RouteKey:
-        """The routing key of a job (default: the session key, else the prompt prefix)."""
+        """The routing key of a job (default: the session key, else the prompt prefix).
+
+        The prompt digest is computed only for a pool whose policy reads it.
+        """
+        if not self.pool.policy.uses_affinity:
+            return RouteKey(job.request_id)
         request = job.context.request
         affinity = request.session_key or _prompt_affinity(request)
         return RouteKey(job.request_id, affinity)
