@@ -34,7 +34,7 @@ import trio
 from .http_app import HttpApp, HttpSettings, RouterHttpApp
 from .http_connection import ROUTES, HttpConnection
 from .http_errors import ErrorResponse, HttpError, error_response
-from .media import open_media_fetcher
+from .media import open_allowed_fetcher
 from .openai_format import error_body
 
 if TYPE_CHECKING:
@@ -80,14 +80,7 @@ async def serve_http(
     client lives as long as this call.
     """
     settings = settings or HttpSettings()
-    if not settings.media.policy.url_prefixes:
-        await trio.serve_listeners(
-            HttpServer(app, settings).handle_connection,
-            listeners,
-            handler_nursery=handler_nursery,
-            task_status=task_status,
-        )
-    async with open_media_fetcher(settings.media) as fetcher:
+    async with open_allowed_fetcher(settings.media) as fetcher:
         await trio.serve_listeners(
             HttpServer(app, settings, fetcher=fetcher).handle_connection,
             listeners,

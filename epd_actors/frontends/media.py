@@ -353,6 +353,19 @@ async def open_media_fetcher(
         yield HttpxMediaFetcher(client)
 
 
+@asynccontextmanager
+async def open_allowed_fetcher(limits: MediaLimits) -> AsyncIterator[MediaFetcher | None]:
+    """A fetcher when the policy allows media URLs, else ``None`` (no client at all).
+
+    Cancellation and resource handling: as :func:`open_media_fetcher`.
+    """
+    if not limits.policy.url_prefixes:
+        yield None
+        return
+    async with open_media_fetcher(limits) as fetcher:
+        yield fetcher
+
+
 async def resolve_media(
     parsed: ParsedRequest, *, limits: MediaLimits, fetcher: MediaFetcher | None
 ) -> ParsedRequest:

@@ -58,7 +58,7 @@ from trio_websocket import ConnectionClosed, Endpoint, serve_websocket
 from ..errors import ActorCrashed, ConfigError, EpdError, Overloaded, Unauthorized
 from ..request import DeltaEvent, DoneEvent, ErrorEvent
 from .http_errors import HttpError
-from .media import MediaLimits, open_media_fetcher, resolve_media
+from .media import MediaLimits, open_allowed_fetcher, resolve_media
 from .openai_schema import parse_chat_completion, parse_completion
 from .ws_messages import (
     PONG,
@@ -206,12 +206,10 @@ async def serve_ws(
     media policy allows URLs, for the life of the server.
     """
     settings = settings or WsSettings()
-    if settings.media.policy.url_prefixes:
-        async with open_media_fetcher(settings.media) as fetcher:
-            await _serve(
-                WsServer(app, settings, fetcher=fetcher), host, port, handler_nursery, task_status
-            )
-    await _serve(WsServer(app, settings), host, port, handler_nursery, task_status)
+    async with open_allowed_fetcher(settings.media) as fetcher:
+        await _serve(
+            WsServer(app, settings, fetcher=fetcher), host, port, handler_nursery, task_status
+        )
 
 
 async def _serve(
