@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 from .actors import STAGE_ACTORS
 from .config_file import FileConfig, load_config
 from .errors import ConfigError
-from .pool import WorkerPool
-from .routing import make_policy
+from .router import build_pools
 from .supervisor import Supervisor
 
 if TYPE_CHECKING:
@@ -54,13 +53,7 @@ def describe(config: FileConfig) -> str:
 
 def check_topology(config: FileConfig) -> None:
     """Build (without starting) the supervisor, so topology errors surface here too."""
-    pools = {
-        p.stage: WorkerPool(
-            p.stage, make_policy(p.policy_name), max_in_flight_per_worker=p.max_in_flight_per_worker
-        )
-        for p in config.router.pools
-    }
-    Supervisor(pools)
+    Supervisor(build_pools(config.router))
 
 
 def run_check_config(args: argparse.Namespace) -> int:

@@ -213,6 +213,19 @@ async def _run_backend(
         await backend.run()
 
 
+def build_pools(config: RouterConfig) -> dict[str, WorkerPool]:
+    """One empty pool per configured stage, with its routing policy and limits."""
+    return {
+        pool.stage: WorkerPool(
+            pool.stage,
+            make_policy(pool.policy_name),
+            max_in_flight_per_worker=pool.max_in_flight_per_worker,
+            health=config.health,
+        )
+        for pool in config.pools
+    }
+
+
 @asynccontextmanager
 async def open_router(
     config: RouterConfig, *, backend_factory: BackendFactory | None = None
@@ -228,15 +241,7 @@ async def open_router(
     workers are told to abort within shielded, bounded cleanups.
     """
     factory = backend_factory or DefaultBackendFactory()
-    pools = {
-        pool.stage: WorkerPool(
-            pool.stage,
-            make_policy(pool.policy_name),
-            max_in_flight_per_worker=pool.max_in_flight_per_worker,
-            health=config.health,
-        )
-        for pool in config.pools
-    }
+    pools = build_pools(config)
     metrics = RouterMetrics()
     supervisor = Supervisor(
         pools,
