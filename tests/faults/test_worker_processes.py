@@ -88,8 +88,9 @@ async def busy_worker(router: Router, stage: str) -> str:
         await trio.sleep(POLL_S)
 
 
-async def wait_connected(backend: ManagedBackend) -> None:
-    await wait_until(lambda: backend.status().connected, poll_s=POLL_S)
+async def wait_usable(backend: ManagedBackend) -> None:
+    """Connected is not enough: a worker takes jobs once a heartbeat said it is ready."""
+    await backend.wait_ready()
 
 
 def assert_nothing_in_flight(router: Router) -> None:
@@ -146,7 +147,7 @@ async def test_kill_9_mid_request(case: KillCase, tmp_path: Path) -> None:
             async with open_router(config_for(addresses, case.layout)) as router:
                 await router.wait_ready()
                 for worker_id in addresses:
-                    await wait_connected(router.backends[worker_id])
+                    await wait_usable(router.backends[worker_id])
                 victim_request = Seen(first_token=trio.Event())
                 bystander = Seen()
                 async with trio.open_nursery() as nursery:
@@ -184,7 +185,7 @@ async def test_kill_9_mid_request(case: KillCase, tmp_path: Path) -> None:
                 # The deployment restarts it on the same address; the router reconnects
                 # and, with the survivor drained, the next request is served by it.
                 await workers[victim].wait_announced(2)
-                await wait_connected(router.backends[victim])
+                await wait_usable(router.backends[victim])
                 router.drain_worker(survivor)
                 after = await run_one(router, make(4, "after"))
                 assert isinstance(after.final, DoneEvent), after.final
