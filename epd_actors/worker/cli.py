@@ -9,6 +9,7 @@ a drain: stop accepting, say goodbye, finish in-flight work up to
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -24,6 +25,7 @@ from ..protocol import Role
 from .engines.sim import SimEngine
 from .engines.sim_cli import add_sim_arguments, sim_config_from_args, sim_stores_from_args
 from .engines.vllm_args import add_vllm_arguments
+from .metrics_http import serve_metrics
 from .openai_server import SimOpenAIServer, serve_openai_process
 from .runtime import WorkerConfig, WorkerServer
 
@@ -74,6 +76,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve vLLM's OpenAI HTTP API (the disaggregated contract) instead of the "
         "native protocol, for the openai_http backend; sim engine only, no auth (testing)",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="also serve the process's Prometheus metrics (with --engine vllm: vLLM's own "
+        "vllm:* metrics) on GET /metrics at this address (default: none)",
     )
     add_sim_arguments(parser)
     add_vllm_arguments(parser)
@@ -181,19 +190,41 @@ async def _serve_vllm_worker(
     from .engines.vllm import open_vllm_engine
 
     async with open_vllm_engine(Role(args.role), args.model, options) as engine:
-        await serve_worker_process(WorkerServer(engine, config), args.listen)
+        await serve_worker_process(
+            WorkerServer(engine, config), args.listen, metrics_listen=args.metrics_listen
+        )
 
 
-async def serve_worker_process(server: WorkerServer, listen: str) -> None:
+async def serve_worker_process(
+    server: WorkerServer, listen: str, *, metrics_listen: str | None = None
+) -> None:
     """Bind, announce the address, serve; SIGTERM/SIGINT start a drain.
 
-    Returns once the drain finished.  Cancellation: cancelling this coroutine
-    stops the worker at once (jobs are aborted in the engine).
+    With ``metrics_listen``, the process's Prometheus registry is served there
+    too (announced on a second line, ``... metrics on http://HOST:PORT/metrics``).
+
+    Returns once the drain finished (the metrics endpoint stops with it).
+    Cancellation: cancelling this coroutine stops the worker at once (jobs are
+    aborted in the engine).
     """
     address = parse_address(listen, key="--listen")
+    metrics_address = None
+    if metrics_listen is not None:
+        metrics_address = parse_address(metrics_listen, key="--metrics-listen")
+        if metrics_address.scheme != "tcp":
+            raise ConfigError(f"--metrics-listen: {metrics_listen!r} is not tcp://HOST:PORT")
     listeners = await open_listeners(address)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
+            if metrics_address is not None:
+                metrics_listeners = await open_listeners(metrics_address)
+                await nursery.start(functools.partial(serve_metrics, metrics_listeners))
+                bound = bound_address(metrics_address, metrics_listeners)
+                print(
+                    f"epd_actors worker {server.config.worker_id} metrics on "
+                    f"http://{bound.host}:{bound.port}/metrics",
+                    flush=True,
+                )
             await nursery.start(_serve_until_drained, server, listeners, nursery.cancel_scope)
             print(
                 f"epd_actors worker {server.config.worker_id} ({server.engine.role.value}) "
@@ -229,7 +260,11 @@ def run_worker(args: argparse.Namespace) -> int:
             _run_vllm_worker(args)
         else:
             server = build_worker(args)
-            trio.run(serve_worker_process, server, args.listen)
+            trio.run(
+                functools.partial(
+                    serve_worker_process, server, args.listen, metrics_listen=args.metrics_listen
+                )
+            )
     except* ConfigError as group:
         print(f"epd_actors worker: configuration error: {first_leaf(group)}", file=sys.stderr)
         status = 2
