@@ -480,18 +480,26 @@ class Supervisor:
                     job.timed_out = True  # the worker's breaker counts it (read on release)
                     raise
                 first = False
-                if event is None:
-                    raise ActorCrashed(
-                        f"{actor.stage} actor ended request {record.request.request_id}'s job "
-                        "without an answer"
-                    )
-                if await self._absorb(event, context, record, events):
-                    record.compensations.extend(job.hand_over())
-                    if job.started_at is not None:
-                        waits.append(job.started_at - job.enqueued_at)
-                    if job.worker_id is not None:
-                        workers.append(job.worker_id)
-                    return
+                # Then every event already queued behind it, without waiting.
+                while True:
+                    if event is None:
+                        raise ActorCrashed(
+                            f"{actor.stage} actor ended request {record.request.request_id}'s "
+                            "job without an answer"
+                        )
+                    if await self._absorb(event, context, record, events):
+                        record.compensations.extend(job.hand_over())
+                        if job.started_at is not None:
+                            waits.append(job.started_at - job.enqueued_at)
+                        if job.worker_id is not None:
+                            workers.append(job.worker_id)
+                        return
+                    try:
+                        event = replies.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    except trio.EndOfChannel:
+                        event = None
 
     async def _next_event(
         self,
@@ -531,7 +539,11 @@ class Supervisor:
                 if record.first_token_at is None:
                     record.first_token_at = trio.current_time()
                 record.completion_tokens += len(event.token_ids)
-                await events.send(DeltaEvent(event.text, event.token_ids, event.logprobs))
+                relayed = DeltaEvent(event.text, event.token_ids, event.logprobs)
+                try:
+                    events.send_nowait(relayed)  # the caller takes a burst in one wake-up
+                except trio.WouldBlock:
+                    await events.send(relayed)
             if event.finish_reason is None:
                 return False
             record.finish_reason = event.finish_reason

@@ -43,12 +43,12 @@ from ..routing import RouteKey, affinity_for_prompt
 from .jobs import Job, StageContext, StageEvent, StageFailure
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
     from ..backends.base import StageBackend
     from ..lifecycle import Phase
     from ..pool import WorkerPool
-    from ..protocol import GenerateRequest
+    from ..protocol import Delta, GenerateRequest
     from ..request import GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -158,25 +158,44 @@ class BaseActor:
     ) -> None:
         """Relay a generate request's deltas to the job's requester.
 
+        A burst of deltas that already arrived is passed on without a
+        scheduling round per delta, when the stream offers ``receive_nowait``
+        (the native one does): each is put in the reply buffer at once while it
+        has room, and the requester, woken once, takes them all.
+
         Backpressure: waits while the requester's reply buffer is full.
         Cancellation: a requester that left ends the relay; the backend then
         aborts the request on its worker.
         """
+        reply = job.reply
         async with backend.open_stream(request) as stream:
+            receive_nowait: Callable[[], Delta] | None = getattr(stream, "receive_nowait", None)
             while True:
                 try:
                     delta = await stream.receive()
                 except trio.EndOfChannel:
                     return
-                try:
-                    await job.reply.send(delta)
-                except trio.BrokenResourceError:
-                    # The requester left; leaving the stream aborts the worker's
-                    # side.  Raising here instead would surface through the
-                    # backend's context manager and crash the actor.
-                    logger.debug("%s job of %s: requester left", self.stage, job.request_id)
-                    return
-                job.output_started = True
+                while True:
+                    try:
+                        try:
+                            reply.send_nowait(delta)
+                        except trio.WouldBlock:
+                            await reply.send(delta)
+                    except trio.BrokenResourceError:
+                        # The requester left; leaving the stream aborts the worker's
+                        # side.  Raising here instead would surface through the
+                        # backend's context manager and crash the actor.
+                        logger.debug("%s job of %s: requester left", self.stage, job.request_id)
+                        return
+                    job.output_started = True
+                    if receive_nowait is None:
+                        break
+                    try:
+                        delta = receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    except trio.EndOfChannel:
+                        return
 
     # -- the actor machinery
 

@@ -135,6 +135,25 @@ class _Pending:
             if self.failure is not None:
                 raise self.failure from None
             raise
+        return self._checked(reply)
+
+    def receive_nowait(self) -> _Reply:
+        """The next reply if one is already buffered (same errors as :meth:`receive`).
+
+        Raises:
+            trio.WouldBlock: no reply is buffered yet.
+        """
+        if self.failure is not None:
+            raise self.failure
+        try:
+            reply = self.receive_channel.receive_nowait()
+        except trio.EndOfChannel:
+            if self.failure is not None:
+                raise self.failure from None
+            raise
+        return self._checked(reply)
+
+    def _checked(self, reply: _Reply) -> _Reply:
         if isinstance(reply, ErrorReply):
             raise RemoteWorkerError(
                 reply.code,
@@ -175,6 +194,15 @@ class NativeDeltaStream:
         ``request_buffer`` replies behind gets ``StreamOverrun``.
         """
         reply = await self._pending.receive()
+        assert isinstance(reply, Delta)  # the reader checked the reply kind
+        return reply
+
+    def receive_nowait(self) -> Delta:
+        """The next delta if it already arrived; what :meth:`receive` raises, or ``WouldBlock``.
+
+        Lets a relay pass on a burst of deltas without a scheduling round per delta.
+        """
+        reply = self._pending.receive_nowait()
         assert isinstance(reply, Delta)  # the reader checked the reply kind
         return reply
 
