@@ -39,6 +39,8 @@ ANNOUNCE = re.compile(r"(?:listening on|serving the OpenAI HTTP API on) (\S+)")
 ROUTER_ANNOUNCE = re.compile(r"router listening on (\S+)")
 # Fast, unpaced simulator: the router's cost dominates (the issue's standard case).
 FAST_SIM = ("--sim-output-token-s", "0", "--sim-tokens-per-delta", "16")
+# Scenario kinds whose workers serve vLLM's OpenAI HTTP API (``worker --serve-openai``).
+HTTP_KINDS = ("openai_http", "direct", "vllm-router", "vllm-router-pd")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -108,11 +110,14 @@ class Scenario:
     description: str
     # (role, extra worker args) for each worker process.
     workers: list[tuple[str, tuple[str, ...]]]
-    # "native", "openai_http", "direct" (load the first worker), or "vllm-router".
+    # "native", "openai_http", "direct" (load the first worker), "vllm-router"
+    # (round robin over the workers) or "vllm-router-pd" (its P/D mode over P and D).
     kind: str = "native"
     url: str = ""
     router: Process | None = None
     processes: list[Process] = field(default_factory=list)
+    # (role, worker id, URL or address) of each started worker.
+    endpoints: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def router_pid(self) -> int | None:
@@ -151,8 +156,8 @@ def start_scenario(
     token = secrets.token_urlsafe(16)
     env = _env(token)
     store = tempfile.mkdtemp(prefix=f"{scenario.name}-", dir=workdir)
-    openai = scenario.kind in ("openai_http", "direct", "vllm-router")
-    endpoints: list[tuple[str, str, str]] = []
+    openai = scenario.kind in HTTP_KINDS
+    endpoints = scenario.endpoints
     for index, (role, extra) in enumerate(scenario.workers):
         worker_id = f"{role}-{index}"
         argv = [
@@ -175,9 +180,9 @@ def start_scenario(
     if scenario.kind == "direct":
         scenario.url = endpoints[0][2]
         return
-    if scenario.kind == "vllm-router":
+    if scenario.kind in ("vllm-router", "vllm-router-pd"):
         if vllm_router is None:
-            raise RuntimeError("the vllm-router scenario needs --vllm-router PATH")
+            raise RuntimeError(f"the {scenario.name} scenario needs --vllm-router PATH")
         _start_vllm_router(scenario, stack, endpoints, vllm_router, router_cores, env)
         return
     config = workdir / f"{scenario.name}.toml"
@@ -198,6 +203,40 @@ def start_scenario(
     scenario.url = router.announced
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def vllm_router_argv(
+    binary: str, port: int, metrics_port: int, endpoints: list[tuple[str, str, str]], *, pd: bool
+) -> list[str]:
+    """vllm-router's command line: round robin over every worker, or its P/D mode.
+
+    In P/D mode (``--vllm-pd-disaggregation``) it sends each request to a
+    prefill worker first (``stream: false``, ``max_tokens: 1``,
+    ``kv_transfer_params.do_remote_decode: true``) and then the client's
+    request, with the ``kv_transfer_params`` P answered, to a decode worker.
+    ``--worker-startup-check-interval 1`` keeps it from waiting 30 s between
+    startup probes; its Prometheus endpoint gets a free loopback port of its
+    own (the default, 29000, would collide between two routers).
+    """
+    argv = [binary, "--host", "127.0.0.1", "--port", str(port)]
+    if pd:
+        argv.append("--vllm-pd-disaggregation")
+        for role, _, url in endpoints:
+            argv += ["--prefill", url] if role == "prefill" else ["--decode", url]
+    else:
+        argv += ["--worker-urls", *(url for _, _, url in endpoints)]
+    argv += ["--policy", "round_robin", "--worker-startup-check-interval", "1"]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    return [*argv, "--log-level", "warning"]
+
+
 def _start_vllm_router(
     scenario: Scenario,
     stack: ExitStack,
@@ -206,24 +245,11 @@ def _start_vllm_router(
     cores: str | None,
     env: dict[str, str],
 ) -> None:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
+    pd = scenario.kind == "vllm-router-pd"
     argv = [
         *taskset_prefix(cores),
-        binary,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        *(url for _, _, url in endpoints),
-        "--policy",
-        "round_robin",
-        "--log-level",
-        "warning",
+        *vllm_router_argv(binary, port, _free_port(), endpoints, pd=pd),
     ]
     popen = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
@@ -277,6 +303,52 @@ def router_toml(endpoints: list[tuple[str, str, str]], *, backend: str) -> str:
     for role, entries in pools.items():
         lines += [f"[pools.{role}]", f"workers = [{', '.join(entries)}]", ""]
     return "\n".join(lines)
+
+
+@dataclass
+class HandoffCheck:
+    """What the decode workers of a scenario received, from their request logs.
+
+    ``requests``: decode requests logged; ``with_handle``: those whose
+    ``kv_transfer_params`` named a prefill's KV handle (``sim_kv_handle`` and
+    ``remote_engine_id``); ``ok``: those answered in full.  The simulated
+    decoder refuses a request whose handle is missing or unknown, so ``ok ==
+    requests == with_handle`` means every request really went through P.
+    """
+
+    requests: int = 0
+    with_handle: int = 0
+    ok: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"requests": self.requests, "with_handle": self.with_handle, "ok": self.ok}
+
+
+def check_handoffs(scenario: Scenario, *, after_seq: dict[str, int] | None = None) -> HandoffCheck:
+    """Read the decode workers' ``GET /debug/requests`` (HTTP scenarios only).
+
+    ``after_seq`` (worker id -> last sequence number seen) skips older
+    entries and is updated, so a check covers one measurement.
+    """
+    check = HandoffCheck()
+    if scenario.kind not in HTTP_KINDS:
+        return check
+    for role, worker_id, url in scenario.endpoints:
+        if role != "decode":
+            continue
+        with urllib.request.urlopen(url + "/debug/requests", timeout=10) as response:
+            entries = json.loads(response.read())["requests"]
+        floor = after_seq.get(worker_id, 0) if after_seq is not None else 0
+        for entry in entries:
+            if entry["seq"] <= floor:
+                continue
+            kv = entry.get("kv_transfer_params") or {}
+            check.requests += 1
+            check.with_handle += bool(kv.get("sim_kv_handle") and kv.get("remote_engine_id"))
+            check.ok += entry.get("outcome") == "ok"
+        if after_seq is not None and entries:
+            after_seq[worker_id] = max(floor, entries[-1]["seq"])
+    return check
 
 
 def scrape_stage_metrics(url: str) -> dict[str, tuple[float, float]]:

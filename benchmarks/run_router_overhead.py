@@ -22,8 +22,19 @@ Scenarios (simulator: 0 s per output token, 16 tokens per delta):
 * ``native-e-pd``: the router over E and PD workers (native backend).
 * ``http-epd``: the router's ``openai_http`` backend over E, P and D workers
   that serve vLLM's HTTP API.
+* ``http-pd``: the router's ``openai_http`` backend over P and D workers
+  that serve vLLM's HTTP API.
 * ``vllm-router``: vLLM's router (``pip install vllm-router``), round robin
   over one PD worker serving the HTTP API (needs ``--vllm-router``).
+* ``vllm-router-pd``: vLLM's router in its P/D mode
+  (``--vllm-pd-disaggregation``) over P and D workers serving the HTTP API
+  (needs ``--vllm-router``).
+
+In the HTTP scenarios with a decode worker, every measurement also reads the
+decoders' request logs (``GET /debug/requests``) and records how many decode
+requests carried a prefill's KV handle (``handoffs``): the simulated decoder
+refuses one without a live handle, so the comparison is of routers that
+really hand P's ``kv_transfer_params`` to D.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     FAST_SIM,
     Scenario,
+    check_handoffs,
     cpu_seconds,
     median,
     run_bench,
@@ -75,7 +87,19 @@ def scenarios() -> dict[str, Scenario]:
                 "openai_http",
             ),
             Scenario(
+                "http-pd",
+                "router (openai_http backend) over P+D HTTP workers",
+                [("prefill", sim), ("decode", sim)],
+                "openai_http",
+            ),
+            Scenario(
                 "vllm-router", "vllm-router over one PD HTTP worker", [("pd", sim)], "vllm-router"
+            ),
+            Scenario(
+                "vllm-router-pd",
+                "vllm-router P/D mode over P+D HTTP workers",
+                [("prefill", sim), ("decode", sim)],
+                "vllm-router-pd",
             ),
         )
     }
@@ -105,11 +129,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+_HANDOFF_SEQ: dict[str, dict[str, int]] = {}
+"""Per scenario: the last request-log sequence number seen on each decoder."""
+
+
 def measure(scenario: Scenario, concurrency: int, args: argparse.Namespace, out: Path) -> dict:
     requests = max(args.requests, concurrency * args.requests_per_client)
     router_pid = scenario.router_pid
     metrics_url = scenario.url if scenario.kind in ("native", "openai_http") else None
     before = scrape_stage_metrics(metrics_url) if metrics_url else {}
+    seen = _HANDOFF_SEQ.setdefault(scenario.name, {})
+    check_handoffs(scenario, after_seq=seen)  # skip what came before this measurement
     cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
     document = run_bench(
         scenario.url,
@@ -121,6 +151,7 @@ def measure(scenario: Scenario, concurrency: int, args: argparse.Namespace, out:
     )
     cpu1 = cpu_seconds(router_pid) if router_pid else 0.0
     after = scrape_stage_metrics(metrics_url) if metrics_url else {}
+    handoffs = check_handoffs(scenario, after_seq=seen)
     summary = document["summary"]
     completed = summary["completed"]
     router_cpu = cpu1 - cpu0
@@ -146,6 +177,7 @@ def measure(scenario: Scenario, concurrency: int, args: argparse.Namespace, out:
         "bench_cpu_util": summary["client_cpu_util"],
         "bench_cpu_ms_per_req": summary["client_cpu_s"] / max(1, summary["requests"]) * 1000,
         "stage_mean_ms": {k: v * 1000 for k, v in stage_means(before, after).items()},
+        "handoffs": handoffs.as_dict() if handoffs.requests else None,
     }
 
 
@@ -170,6 +202,9 @@ def aggregate(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
                 stages.setdefault(stage, []).append(value)
         entry["stage_mean_ms"] = {stage: median(v) for stage, v in stages.items()}
         entry["errors"] = sum(r["requests"] - r["completed"] for r in group)
+        checked = [r["handoffs"] for r in group if r.get("handoffs")]
+        if checked:
+            entry["handoffs"] = {k: sum(c[k] for c in checked) for k in checked[0]}
         entry["rounds"] = len(group)
         table.append(entry)
     return table
@@ -208,6 +243,14 @@ def markdown_table(table: list[dict], standard: int) -> str:
             f"| {_f(e['router_cpu_util'], 2)} | {_f(e['bench_cpu_util'], 2)} | {e['errors']} |"
         )
     return "\n".join(lines)
+
+
+def _handoff_note(handoffs: dict[str, int] | None) -> str:
+    if not handoffs:
+        return ""
+    return (
+        f"  D got P's handle {handoffs['with_handle']}/{handoffs['requests']} (ok {handoffs['ok']})"
+    )
 
 
 def _f(value: object, digits: int) -> str:
@@ -338,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"round {round_index + 1} {scenario.name:<12} c={concurrency:<4} "
                         f"{row['req_per_s']:8.1f} req/s  TTFT p50 {_f(row['ttft_p50_ms'], 1)} ms  "
                         f"router {_f(row['router_cpu_ms_per_req'], 2)} ms/req  "
-                        f"errors {row['requests'] - row['completed']}",
+                        f"errors {row['requests'] - row['completed']}"
+                        + _handoff_note(row["handoffs"]),
                         flush=True,
                     )
     table = aggregate(rows, KEYS)

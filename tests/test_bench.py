@@ -240,3 +240,35 @@ def test_one_benchmark_scenario_on_a_tiny_load(tmp_path: Path) -> None:
     assert row["scenario"] == "native-pd"
     assert row["errors"] == 0
     assert row["router_cpu_ms_per_req"] > 0
+
+
+@pytest.mark.processes
+def test_the_http_pd_scenario_hands_p_kv_params_to_d(tmp_path: Path) -> None:
+    script = ROOT / "benchmarks" / "run_router_overhead.py"
+    argv = [sys.executable, str(script), "--name", "smoke", "--out-dir", str(tmp_path)]
+    argv += ["--scenarios", "http-pd", "--concurrency", "2", "--rounds", "1"]
+    argv += ["--requests", "10", "--requests-per-client", "1", "--warmup", "2", "--no-plots"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    document = json.loads((tmp_path / "smoke.json").read_text())
+    (row,) = document["medians"]
+    assert (row["scenario"], row["errors"]) == ("http-pd", 0)
+    assert row["handoffs"] == {"requests": 10, "with_handle": 10, "ok": 10}
+
+
+def test_vllm_router_gets_p_and_d_in_its_pd_mode() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from harness import vllm_router_argv
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    endpoints = [("prefill", "p-0", "http://127.0.0.1:1"), ("decode", "d-0", "http://127.0.0.1:2")]
+    argv = vllm_router_argv("vllm-router", 9000, 9001, endpoints, pd=True)
+    assert argv[argv.index("--prefill") + 1] == "http://127.0.0.1:1"
+    assert argv[argv.index("--decode") + 1] == "http://127.0.0.1:2"
+    assert "--vllm-pd-disaggregation" in argv
+    assert argv[argv.index("--worker-startup-check-interval") + 1] == "1"
+    assert argv[argv.index("--prometheus-host") + 1] == "127.0.0.1"
+    plain = vllm_router_argv("vllm-router", 9000, 9001, endpoints, pd=False)
+    assert "--vllm-pd-disaggregation" not in plain
+    assert plain[plain.index("--worker-urls") + 1 :][:2] == [url for _, _, url in endpoints]

@@ -5,8 +5,11 @@ Theory of operation
 :class:`SimOpenAIServer` puts one engine of one role behind the HTTP API a
 stock ``vllm serve`` instance of that role offers a disaggregating router:
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed or not),
-``GET /health`` (200 while the engine is ready, else 503) and ``GET
-/v1/models``.  Bodies go through the router's own OpenAI parser
+``GET /health`` (200 while the engine is ready, else 503), ``GET
+/v1/models`` and ``GET /metrics`` (the two gauges of vLLM's Prometheus
+endpoint a router reads: ``vllm:num_requests_running`` and
+``vllm:num_requests_waiting``, labelled ``engine="0"`` and ``model_name``).
+Bodies go through the router's own OpenAI parser
 (:mod:`epd_actors.frontends.openai_schema`), so a stage sees the prompt and
 media exactly as the router would see them from a client, and then through
 the *same* engine the native worker runs, so every data dependency is
@@ -94,6 +97,7 @@ logger = logging.getLogger(__name__)
 CHAT_PATH: Final = "/v1/chat/completions"
 COMPLETIONS_PATH: Final = "/v1/completions"
 DEBUG_PATH: Final = "/debug/requests"
+METRICS_PATH: Final = "/metrics"
 
 _REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,256}$")
 _STATUS_OF_CODE: Final[dict[str, int]] = {
@@ -276,6 +280,7 @@ class SimOpenAIServer:
         self.host = "127.0.0.1"
         self.port = 0
         self.connections = 0
+        self.running = 0  # completion requests being served now
 
     def __repr__(self) -> str:
         return (
@@ -375,6 +380,8 @@ class SimOpenAIServer:
                 await self._send_json(conn, 200 if ready else 503, {} if ready else _not_ready())
             elif path == "/v1/models" and method == "GET":
                 await self._send_json(conn, 200, self._models())
+            elif path == METRICS_PATH and method == "GET":
+                await self._send_text(conn, 200, self._metrics())
             elif path == DEBUG_PATH and method == "GET" and self.debug_routes:
                 await self._send_json(conn, 200, {"requests": self.log.snapshot()})
             else:
@@ -388,6 +395,18 @@ class SimOpenAIServer:
         model = self.engine.model
         card = {"id": model, "object": "model", "created": unix_time(), "owned_by": "epd_actors"}
         return {"object": "list", "data": [card]}
+
+    def _metrics(self) -> str:
+        """vLLM's request gauges, one engine (``engine="0"``), in Prometheus text format."""
+        labels = f'engine="0",model_name="{_label_value(self.engine.model)}"'
+        return (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{{{labels}}} {float(self.running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
+        )
 
     async def _completion(
         self, conn: _Connection, path: str, headers: dict[str, str], raw: bytes
@@ -411,7 +430,11 @@ class SimOpenAIServer:
             if parsed.pending:
                 raise InvalidRequest("the simulator accepts inline (data:) media only")
             exchange = _Exchange(conn, request_id, entry, parsed, body)
-            await self._run(exchange)
+            self.running += 1
+            try:
+                await self._run(exchange)
+            finally:
+                self.running -= 1
         except InvalidRequest as exc:
             self.log.update(entry, status=400, outcome="invalid_request")
             await self._send_error(conn, 400, str(exc), ErrorCode.INVALID_REQUEST, request_id)
@@ -653,6 +676,16 @@ class SimOpenAIServer:
         await self._send(conn, h11.Data(data=payload))
         await self._send(conn, h11.EndOfMessage())
 
+    async def _send_text(self, conn: _Connection, status: int, text: str) -> None:
+        payload = text.encode()
+        headers = [
+            ("content-type", "text/plain; version=0.0.4; charset=utf-8"),
+            ("content-length", str(len(payload))),
+        ]
+        await self._send(conn, h11.Response(status_code=status, headers=headers))
+        await self._send(conn, h11.Data(data=payload))
+        await self._send(conn, h11.EndOfMessage())
+
     async def _send_error(
         self,
         conn: _Connection,
@@ -711,6 +744,11 @@ class _ChunkWriter:
 
 def _sse(obj: object) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _label_value(value: str) -> str:
+    """``value`` escaped for a Prometheus label (backslash, quote, newline)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _error_type(status: int) -> str:
