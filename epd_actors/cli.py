@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import signal
 import sys
 from dataclasses import replace
@@ -29,6 +30,11 @@ from .server import serve_router
 from .worker.cli import add_worker_arguments, run_worker
 
 COMMANDS = ("local", "serve", "worker", "check-config", "bench")
+# Asked for when the hard open-file limit is "unlimited" (Linux then still caps
+# the soft limit at fs.nr_open, 1,048,576 by default).
+UNLIMITED_NOFILE_TARGET = 1 << 20
+
+logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    raise_open_file_limit()
     runners = {
         "local": run_local,
         "serve": run_serve,
@@ -81,6 +88,29 @@ def main(argv: list[str] | None = None) -> int:
         "bench": run_bench,
     }
     return runners[args.command](args)
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit; returns ``(soft, hard)`` after.
+
+    Every client connection, worker connection and listener holds a file
+    descriptor, and the usual soft limit (1,024) would cap a router at about
+    a thousand streams whatever its configuration says.  The hard limit is
+    what the administrator allows; raising the soft limit up to it needs no
+    privilege (nginx, HAProxy and Go's runtime do the same at start-up).  A
+    refusal is logged and leaves the limit as it was.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = UNLIMITED_NOFILE_TARGET if hard == resource.RLIM_INFINITY else hard
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        logger.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+        return soft, hard
+    logger.debug("open-file limit raised from %d to %d", soft, target)
+    return target, hard
 
 
 def run_serve(args: argparse.Namespace) -> int:

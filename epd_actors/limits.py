@@ -38,3 +38,9 @@ JOB_REPLY_BUFFER: Final = 32
 
 # Events buffered between a request's pipeline and its caller (events).
 REQUEST_EVENT_BUFFER: Final = 32
+
+# Connections the router's HTTP listener takes per wake-up of its accept loop
+# (connections).  Trio's accept yields to the scheduler after each connection;
+# with thousands of streams open a scheduling round is long, so one connection
+# per round lets the kernel's backlog fill and new clients stall in SYN retries.
+ACCEPT_BURST: Final = 256
