@@ -1,10 +1,12 @@
-"""The router's client for stock ``vllm serve`` instances: vLLM's OpenAI HTTP API, over httpx.
+"""The router's client for stock ``vllm serve`` instances: vLLM's OpenAI HTTP API.
 
 Theory of operation
 -------------------
 An :class:`OpenAIHttpBackend` stands for one vLLM server (``http://HOST:PORT``).
-Its :meth:`~OpenAIHttpBackend.run` task owns one ``httpx.AsyncClient`` -- a
-connection pool bounded by :class:`OpenAIHttpSettings` -- reports "started" at
+Its :meth:`~OpenAIHttpBackend.run` task owns one
+:class:`~.openai_http_client.WorkerHttpClient` -- a lean HTTP/1.1 keep-alive
+connection pool over Trio, bounded by :class:`OpenAIHttpSettings` (each request
+one write; see that module for why not a general-purpose client) -- reports "started" at
 once (a router must come up while a server is still loading its model), and
 then probes ``GET /health`` every ``health_interval_s`` over a connection of
 its own (never queued behind requests in a saturated pool).  Two
@@ -26,12 +28,14 @@ Stage requests become vLLM's disaggregated contract
   per token.
 
 Errors are mapped once, in :meth:`OpenAIHttpBackend._mapped`: no connection
--> ``WorkerDisconnected``; a lost connection -> ``WorkerDisconnected``; a
-timeout -> ``RemoteWorkerError(code="timeout", retryable=True)``; HTTP 429 and
+-> ``WorkerDisconnected``; a lost connection or a reply that is not HTTP ->
+``WorkerDisconnected``; a timeout -> ``RemoteWorkerError(code="timeout",
+retryable=True)``; HTTP 429 and
 5xx -> ``RemoteWorkerError`` (retryable); other 4xx ->
 ``RemoteWorkerError(code="invalid_request", retryable=False)`` carrying
-vLLM's message; a reply that breaks the contract ->
-``RemoteWorkerError(code="protocol_error", retryable=True)``.
+vLLM's message (and the ``param`` it blames); a reply that breaks the contract
+or exceeds a size limit -> ``RemoteWorkerError(code="protocol_error",
+retryable=True)``.
 
 Cancellation.  A cancelled encode or prefill call, and a stream left before
 its last delta, close their HTTP connection; vLLM aborts a request whose
@@ -48,20 +52,18 @@ and so frees them at once -- but only for hand-offs no decoder has accepted
 yet, tracked in a :class:`~.openai_http_settings.HandoffLedger` shared by the
 backends of one router (:class:`OpenAIHttpBackendFactory`).  docs/reliability.md
 weighs the two.
-
-httpx is used in this module only.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import secrets
 import ssl
-from contextlib import asynccontextmanager, contextmanager
-from typing import TYPE_CHECKING
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Final
 
-import httpx
 import trio
 
 from .._groups import single_exception
@@ -70,6 +72,16 @@ from ..errors import RemoteWorkerError, WorkerDisconnected
 from ..limits import CLEANUP_TIMEOUT_S
 from ..protocol import EncodeRequest, ErrorCode, StageResult
 from .base import BackendStatus
+from .openai_http_client import (
+    BadResponse,
+    ClientLimits,
+    ConnectFailed,
+    ConnectionLost,
+    HttpClientError,
+    RequestTimeout,
+    Response,
+    WorkerHttpClient,
+)
 from .openai_http_contract import (
     DeltaParser,
     HttpCall,
@@ -96,7 +108,8 @@ from .openai_http_settings import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator
+    from collections.abc import AsyncIterator
+    from types import TracebackType
 
     from ..config import RouterConfig, WorkerEndpoint
     from ..protocol import Delta, GenerateRequest, PrefillRequest
@@ -119,72 +132,18 @@ _RETRYABLE_STATUSES = frozenset({408, 425, 429})
 def _tls_context() -> ssl.SSLContext:
     """One TLS context (system trust store) for every client of the process.
 
-    httpx would build one per client, loading the CA bundle each time (about
-    0.2 s apiece here); a router has two clients per worker.
+    Building one loads the CA bundle (about 0.2 s here); a router has two
+    clients per worker, so they share this one.
     """
     return ssl.create_default_context()
 
 
-_DRAIN_S = 1.0
+_DRAIN_S: Final = 1.0
 """How long a finished stream may take to deliver the end of its body (seconds)."""
-
-
-class _Reply:
-    """One HTTP response whose body is read through one iterator, and finished cleanly.
-
-    httpx's body iterators are nested async generators; one left suspended is
-    finalized by the garbage collector, and Trio warns about it.  So a body is
-    always run to its end: read to EOF when the answer is complete (the
-    connection then goes back to the pool), or after closing the response
-    (the connection is closed, so vLLM aborts the request, and the iterators
-    end at once with a read error).
-    """
-
-    __slots__ = ("chunks", "complete", "response")
-
-    def __init__(self, response: httpx.Response) -> None:
-        self.response = response
-        self.chunks: AsyncIterator[bytes] = response.aiter_bytes()
-        self.complete = False
-
-    @property
-    def status(self) -> int:
-        return self.response.status_code
-
-    async def read_all(self, limit: int) -> bytes:
-        """The whole body.
-
-        Raises:
-            ReplyError: more than ``limit`` bytes.
-        """
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in self.chunks:
-            size += len(chunk)
-            if size > limit:
-                raise ReplyError(f"the reply exceeds {limit} bytes")
-            chunks.append(chunk)
-        self.complete = True
-        return b"".join(chunks)
-
-    async def finish(self) -> None:
-        """Drain (a complete answer) or close, then run the body iterator out.
-
-        Cancellation: shielded, bounded by ``CLEANUP_TIMEOUT_S``.
-        """
-        with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
-            if self.complete:
-                with trio.move_on_after(_DRAIN_S):
-                    await self._run_out()
-            await self.response.aclose()
-            await self._run_out()
-
-    async def _run_out(self) -> None:
-        try:
-            async for _ in self.chunks:
-                pass
-        except (httpx.HTTPError, httpx.StreamError) as exc:
-            logger.debug("discarding the rest of a closed response: %r", exc)
+_MAX_PROBE_BYTES: Final = 64 * 1024
+"""The largest ``/health`` answer read (bytes)."""
+_encode_json: Final = json.JSONEncoder(separators=(",", ":")).encode
+"""Request bodies as compact JSON (one encoder for the process, not one per call)."""
 
 
 class OpenAIHttpDeltaStream:
@@ -194,7 +153,7 @@ class OpenAIHttpDeltaStream:
     delta; everything already received is merged into that one delta.
     """
 
-    def __init__(self, backend: OpenAIHttpBackend, call: HttpCall, reply: _Reply) -> None:
+    def __init__(self, backend: OpenAIHttpBackend, call: HttpCall, reply: Response) -> None:
         self._backend = backend
         self._call = call
         self._reply = reply
@@ -223,13 +182,12 @@ class OpenAIHttpDeltaStream:
         while True:
             delta = self._parser.take()
             if delta is not None:
-                self._reply.complete = self._parser.terminal_sent
                 return delta
             with backend._mapped("generate", request_id):
                 with trio.CancelScope() as watch:
                     backend._stream_scopes.add(watch)
                     try:
-                        chunk = await anext(self._reply.chunks, None)
+                        chunk = await self._reply.next_chunk()
                     finally:
                         backend._stream_scopes.discard(watch)
                 if watch.cancelled_caught:
@@ -238,7 +196,6 @@ class OpenAIHttpDeltaStream:
                         f"streaming {request_id!r}"
                     )
                 if chunk is None:
-                    self._reply.complete = True
                     final = self._parser.end_of_stream()
                     if final is None:
                         raise WorkerDisconnected(
@@ -260,6 +217,34 @@ class OpenAIHttpDeltaStream:
                     ) from None
 
 
+class _ErrorScope:
+    """A context that re-raises HTTP client and contract errors as the router's errors.
+
+    A plain class rather than a generator-based context manager: one is
+    entered per network read of a stream.
+    """
+
+    __slots__ = ("_backend", "_request_id", "_stage")
+
+    def __init__(self, backend: OpenAIHttpBackend, stage: str, request_id: str) -> None:
+        self._backend = backend
+        self._stage = stage
+        self._request_id = request_id
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        # Returns None: an exception is never swallowed, only replaced.
+        if isinstance(exc, HttpClientError | ReplyError):
+            raise self._backend._translate(exc, self._stage, self._request_id) from exc
+
+
 class OpenAIHttpBackend:
     """One ``vllm serve`` instance, as the stage actors see it (a ``ManagedBackend``).
 
@@ -273,7 +258,6 @@ class OpenAIHttpBackend:
         ledger: hand-offs shared with the router's other ``openai_http``
             backends (default: a private one, which makes ``consume`` a no-op).
         stage: the pool the worker serves, for error reports.
-        transport: an httpx transport (tests); default: TCP with the settings' limits.
     """
 
     def __init__(
@@ -285,7 +269,6 @@ class OpenAIHttpBackend:
         settings: OpenAIHttpSettings = DEFAULT_SETTINGS,
         ledger: HandoffLedger | None = None,
         stage: str = "",
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.base_url = base_url.rstrip("/")
@@ -295,8 +278,7 @@ class OpenAIHttpBackend:
         if ledger is None:
             ledger = HandoffLedger(capacity=settings.ledger_capacity, lease_s=settings.kv_lease_s)
         self.ledger = ledger
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        self._client: WorkerHttpClient | None = None
         self._running = False
         self._reachable = Hysteresis(
             failures_to_down=settings.failures_to_down, successes_to_up=settings.successes_to_up
@@ -403,44 +385,37 @@ class OpenAIHttpBackend:
                 await prober.aclose()
                 await client.aclose()
 
-    def _new_client(self, max_connections: int) -> httpx.AsyncClient:
+    def _new_client(self, max_connections: int) -> WorkerHttpClient:
         s = self.settings
-        headers = {"authorization": f"Bearer {s.api_key}"} if s.api_key else None
-        transport = self._transport or httpx.AsyncHTTPTransport(
-            verify=_tls_context(),
-            limits=httpx.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=min(max_connections, s.max_keepalive_connections),
-                keepalive_expiry=s.keepalive_expiry_s,
-            ),
+        headers = [("authorization", f"Bearer {s.api_key}")] if s.api_key else []
+        limits = ClientLimits(
+            connect_timeout_s=s.connect_timeout_s,
+            read_timeout_s=s.read_timeout_s,
+            write_timeout_s=s.write_timeout_s,
+            pool_timeout_s=s.pool_timeout_s,
+            max_connections=max_connections,
+            max_keepalive_connections=min(max_connections, s.max_keepalive_connections),
+            keepalive_expiry_s=s.keepalive_expiry_s,
         )
-        return httpx.AsyncClient(
-            base_url=self.base_url,
-            transport=transport,
-            timeout=httpx.Timeout(
-                connect=s.connect_timeout_s,
-                read=s.read_timeout_s,
-                write=s.write_timeout_s,
-                pool=s.pool_timeout_s,
-            ),
-            headers=headers,
-            follow_redirects=False,
-            # Workers are reached directly; proxy settings from the environment
-            # would silently route loopback and cluster traffic elsewhere.
-            trust_env=False,
-        )
+        # Workers are reached directly: no proxy settings from the environment,
+        # no redirects followed.
+        return WorkerHttpClient(self.base_url, limits, headers=headers, tls_context=_tls_context)
 
-    async def _probe(self, client: httpx.AsyncClient) -> None:
+    async def _probe(self, client: WorkerHttpClient) -> None:
         """One ``GET /health``; feeds both hysteresis trackers."""
         self._probes += 1
         status: int | None = None
         with trio.move_on_after(self.settings.health_timeout_s):
             try:
-                response = await client.get("/health")
-            except httpx.HTTPError as exc:
+                response = await client.request("GET", "/health")
+                try:
+                    await response.read_all(_MAX_PROBE_BYTES)
+                finally:
+                    await response.aclose()
+            except HttpClientError as exc:
                 logger.debug("worker %s: health probe failed: %r", self.worker_id, exc)
             else:
-                status = response.status_code
+                status = response.status
         if status != 200:
             self._probe_failures += 1
         changed = self._reachable.observe(status is not None)
@@ -476,34 +451,25 @@ class OpenAIHttpBackend:
 
     # ------------------------------------------------------------ error mapping
 
-    @contextmanager
-    def _mapped(self, stage: str, request_id: str) -> Iterator[None]:
-        """Translate httpx and contract errors into the router's error tree (once, here)."""
+    def _mapped(self, stage: str, request_id: str) -> _ErrorScope:
+        """``with self._mapped(stage, request_id):`` maps errors through :meth:`_translate`."""
+        return _ErrorScope(self, stage, request_id)
+
+    def _translate(
+        self, exc: HttpClientError | ReplyError, stage: str, request_id: str
+    ) -> WorkerDisconnected | RemoteWorkerError:
+        """The router's error for an HTTP client or contract error (the one mapping)."""
+        self._request_failures += 1
         where = f"worker {self.worker_id} at {self.base_url}"
-        try:
-            yield
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            self._request_failures += 1
-            self._set_down(f"cannot connect: {exc!r}")
-            raise WorkerDisconnected(f"{where}: cannot connect ({exc!r})") from exc
-        except httpx.TimeoutException as exc:
-            self._request_failures += 1
-            raise self._remote(
-                "timeout", f"{type(exc).__name__}: no answer in time", stage, request_id, True
-            ) from exc
-        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-            self._request_failures += 1
-            raise WorkerDisconnected(f"{where}: connection lost ({exc!r})") from exc
-        except httpx.HTTPError as exc:
-            self._request_failures += 1
-            raise self._remote(
-                ErrorCode.PROTOCOL_ERROR, repr(exc), stage, request_id, True
-            ) from exc
-        except ReplyError as exc:
-            self._request_failures += 1
-            raise self._remote(
-                ErrorCode.PROTOCOL_ERROR, f"bad reply: {exc}", stage, request_id, True
-            ) from exc
+        if isinstance(exc, ConnectFailed):
+            self._set_down(f"cannot connect: {exc}")
+            return WorkerDisconnected(f"{where}: cannot connect ({exc})")
+        if isinstance(exc, RequestTimeout):
+            return self._remote("timeout", str(exc), stage, request_id, True)
+        if isinstance(exc, ConnectionLost | BadResponse):
+            return WorkerDisconnected(f"{where}: connection lost ({exc})")
+        # ResponseTooLarge, ReplyError: the reply breaks the contract or a limit.
+        return self._remote(ErrorCode.PROTOCOL_ERROR, f"bad reply: {exc}", stage, request_id, True)
 
     def _remote(
         self, code: str, message: str, stage: str, request_id: str, retryable: bool
@@ -530,7 +496,7 @@ class OpenAIHttpBackend:
         refusal.param = error_param(data)
         return refusal
 
-    def _require_client(self) -> httpx.AsyncClient:
+    def _require_client(self) -> WorkerHttpClient:
         client = self._client
         if client is None:
             raise WorkerDisconnected(
@@ -540,15 +506,15 @@ class OpenAIHttpBackend:
 
     # ------------------------------------------------------------ requests
 
-    async def _send(self, client: httpx.AsyncClient, call: HttpCall) -> _Reply:
+    async def _send(self, client: WorkerHttpClient, call: HttpCall) -> Response:
         """Send ``call``; return once the status line and headers arrived.
 
-        The caller must ``finish()`` the reply.
+        The caller must ``aclose()`` the reply.
         """
-        request = client.build_request(
-            "POST", call.path, json=call.body, headers={"x-request-id": call.request_id}
+        body = _encode_json(call.body).encode()
+        return await client.request(
+            "POST", call.path, body, headers=(("x-request-id", call.request_id),)
         )
-        return _Reply(await client.send(request, stream=True))
 
     async def _post(self, call: HttpCall, stage: str) -> dict[str, object]:
         """POST ``call`` and return its JSON reply (see the module docstring for errors).
@@ -566,7 +532,7 @@ class OpenAIHttpBackend:
                     data = await reply.read_all(self.settings.max_response_bytes)
                     answered = True
                 finally:
-                    await reply.finish()
+                    await reply.aclose()
                 if reply.status != 200:
                     raise self._status_error(reply.status, data, stage, call.request_id)
                 return json_object(data)
@@ -651,6 +617,7 @@ class OpenAIHttpBackend:
         try:
             with self._mapped("generate", call.request_id):
                 reply = await self._send(client, call)
+            finished = False
             try:
                 if reply.status != 200:
                     with self._mapped("generate", call.request_id):
@@ -664,7 +631,8 @@ class OpenAIHttpBackend:
                 try:
                     yield stream
                 finally:
-                    if not stream.finished:
+                    finished = stream.finished
+                    if not finished:
                         self._aborts_sent += 1
                         logger.debug(
                             "worker %s: closing the stream of %r early",
@@ -672,7 +640,10 @@ class OpenAIHttpBackend:
                             call.request_id,
                         )
             finally:
-                await reply.finish()
+                # A stream whose terminal delta went out keeps its connection if
+                # the last bytes ([DONE], the end of the body) follow in time.
+                # A stream left early is closed at once: vLLM aborts the request.
+                await reply.aclose(drain_s=_DRAIN_S if finished else 0.0)
         finally:
             self._in_flight -= 1
 
@@ -747,13 +718,11 @@ class OpenAIHttpBackend:
         """
         client = self._require_client()
         with self._mapped("models", "models"):
-            reply = _Reply(
-                await client.send(client.build_request("GET", "/v1/models"), stream=True)
-            )
+            reply = await client.request("GET", "/v1/models")
             try:
                 data = await reply.read_all(self.settings.max_response_bytes)
             finally:
-                await reply.finish()
+                await reply.aclose()
             if reply.status != 200:
                 raise self._status_error(reply.status, data, "models", "models")
             return json_object(data)

@@ -31,7 +31,8 @@ back until the usage chunk or ``[DONE]`` arrives and emits one terminal delta
 with both.  Every event parsed from one network read is merged into a single
 delta, so a burst of tokens costs the router one hand-off, not one per token.
 
-Nothing here does I/O or imports httpx; :mod:`.openai_http` does both.
+Nothing here does I/O: :mod:`.openai_http` sends the calls, through
+:mod:`.openai_http_client`.
 """
 
 from __future__ import annotations
