@@ -58,13 +58,21 @@ def taskset_prefix(cores: str | None) -> list[str]:
 class Process:
     """A child process whose stdout we read until it announces a URL or address."""
 
-    def __init__(self, argv: list[str], *, env: dict[str, str], pattern: re.Pattern[str]) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        pattern: re.Pattern[str],
+        cwd: str | None = None,
+    ) -> None:
         self.argv = argv
         self.popen = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             env=env,
+            cwd=cwd,
             text=True,
             start_new_session=True,
         )
@@ -118,6 +126,9 @@ class Scenario:
     processes: list[Process] = field(default_factory=list)
     # (role, worker id, URL or address) of each started worker.
     endpoints: list[tuple[str, str, str]] = field(default_factory=list)
+    # Another checkout of the project to run the workers and router from (an
+    # A/B baseline): put first on PYTHONPATH and used as the working directory.
+    source: str | None = None
 
     @property
     def router_pid(self) -> int | None:
@@ -155,6 +166,9 @@ def start_scenario(
     """
     token = secrets.token_urlsafe(16)
     env = _env(token)
+    if scenario.source is not None:
+        # python -m puts the working directory first on sys.path: it must be the checkout.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (scenario.source, env.get("PYTHONPATH"))))
     store = tempfile.mkdtemp(prefix=f"{scenario.name}-", dir=workdir)
     openai = scenario.kind in HTTP_KINDS
     endpoints = scenario.endpoints
@@ -173,7 +187,7 @@ def start_scenario(
             *(("--serve-openai",) if openai else ()),
             *extra,
         ]
-        process = Process(argv, env=env, pattern=ANNOUNCE)
+        process = Process(argv, env=env, pattern=ANNOUNCE, cwd=scenario.source)
         stack.callback(process.stop)
         scenario.processes.append(process)
         endpoints.append((role, worker_id, process.announced))
@@ -197,7 +211,7 @@ def start_scenario(
         "--http-listen",
         "127.0.0.1:0",
     ]
-    router = Process(argv, env=env, pattern=ROUTER_ANNOUNCE)
+    router = Process(argv, env=env, pattern=ROUTER_ANNOUNCE, cwd=scenario.source)
     stack.callback(router.stop)
     scenario.router = router
     scenario.url = router.announced

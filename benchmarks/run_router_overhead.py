@@ -30,6 +30,10 @@ Scenarios (simulator: 0 s per output token, 16 tokens per delta):
   (``--vllm-pd-disaggregation``) over P and D workers serving the HTTP API
   (needs ``--vllm-router``).
 
+``--baseline DIR --baseline-scenarios http-pd`` also runs each named
+scenario from another checkout (``git worktree add DIR COMMIT``) as
+``http-pd@base``, in the same interleaved rounds: an A/B of two versions.
+
 In the HTTP scenarios with a decode worker, every measurement also reads the
 decoders' request logs (``GET /debug/requests``) and records how many decode
 requests carried a prefill's KV handle (``handoffs``): the simulated decoder
@@ -124,6 +128,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bench-cores", default=None, help="taskset -c list for the bench")
     parser.add_argument("--worker-cores", default=None, help="taskset -c list for the workers")
     parser.add_argument("--vllm-router", default=None, help="path of the vllm-router program")
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="another checkout (e.g. a git worktree of an older commit): each scenario of "
+        "--baseline-scenarios also runs from it, as '<scenario>@base', interleaved",
+    )
+    parser.add_argument("--baseline-scenarios", default="", help="comma-separated")
     parser.add_argument("--out-dir", default=str(RESULTS), help="default benchmarks/results")
     parser.add_argument("--no-plots", action="store_true")
     return parser.parse_args(argv)
@@ -343,6 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     known = scenarios()
     chosen = [known[n] for n in args.scenarios.split(",") if n]
+    if args.baseline:
+        source = str(Path(args.baseline).resolve())
+        for name in filter(None, args.baseline_scenarios.split(",")):
+            base = scenarios()[name]
+            base.name, base.source = f"{name}@base", source
+            base.description += f" (from {source})"
+            chosen.append(base)
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
     results = Path(args.out_dir)
     results.mkdir(parents=True, exist_ok=True)

@@ -248,12 +248,16 @@ def test_the_http_pd_scenario_hands_p_kv_params_to_d(tmp_path: Path) -> None:
     argv = [sys.executable, str(script), "--name", "smoke", "--out-dir", str(tmp_path)]
     argv += ["--scenarios", "http-pd", "--concurrency", "2", "--rounds", "1"]
     argv += ["--requests", "10", "--requests-per-client", "1", "--warmup", "2", "--no-plots"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    # The same checkout as its own baseline: the A/B machinery, not a comparison.
+    argv += ["--baseline", str(ROOT), "--baseline-scenarios", "http-pd"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=90, check=False)
     assert done.returncode == 0, done.stderr
     document = json.loads((tmp_path / "smoke.json").read_text())
-    (row,) = document["medians"]
-    assert (row["scenario"], row["errors"]) == ("http-pd", 0)
-    assert row["handoffs"] == {"requests": 10, "with_handle": 10, "ok": 10}
+    rows = {row["scenario"]: row for row in document["medians"]}
+    assert sorted(rows) == ["http-pd", "http-pd@base"]
+    for row in rows.values():
+        assert row["errors"] == 0
+        assert row["handoffs"] == {"requests": 10, "with_handle": 10, "ok": 10}
 
 
 def test_vllm_router_gets_p_and_d_in_its_pd_mode() -> None:
