@@ -6,11 +6,19 @@ Theory of operation: a :class:`FramedStream` wraps any ``trio.abc.Stream``
 frame synchronously, then sends it under a ``trio.StrictFIFOLock`` so frames from
 different tasks never interleave and are written in the order the writers
 arrived.  Transport failures are mapped once, here, into ``ConnectionLost``.
+
+A frame is first offered to the socket without waiting
+(:func:`send_some_nowait`): when the lock is free and the kernel takes the
+whole frame -- the common case -- the send costs one syscall and no
+scheduling round; the rest of a frame the kernel did not take is sent the
+awaited way, still under the lock.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import trio
@@ -75,9 +83,20 @@ class FramedStream:
         self.frames_sent += len(frames)
 
     async def _send_bytes(self, data: bytes) -> None:
+        lock = self._send_lock
         try:
-            async with self._send_lock:
-                await self._stream.send_all(data)
+            if lock.locked():
+                async with lock:
+                    await self._stream.send_all(data)
+                return
+            # Free lock: nobody is writing or waiting to, so the frame may go out now.
+            lock.acquire_nowait()
+            try:
+                written = send_some_nowait(self._stream, data)
+                if written < len(data):
+                    await self._stream.send_all(data[written:])
+            finally:
+                lock.release()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise ConnectionLost(f"connection to {self.peer} lost while sending: {exc}") from exc
 
@@ -109,3 +128,31 @@ class FramedStream:
     async def aclose(self) -> None:
         """Close the underlying stream (forcefully if cancelled)."""
         await trio.aclose_forcefully(self._stream)
+
+
+def send_some_nowait(stream: trio.abc.Stream, data: bytes) -> int:
+    """Write what the kernel takes of ``data`` right now; return how many bytes that was.
+
+    Only a ``trio.SocketStream`` is written this way; any other stream (a
+    memory stream in tests), a socket that is closed or shut down for writing,
+    or a full send buffer takes 0 bytes, and the caller sends the rest with an
+    awaited ``send_all`` (which also reports a closed stream).  Not a
+    checkpoint.  The caller must be the stream's only writer at that moment.
+
+    Raises:
+        trio.BrokenResourceError: the peer reset or closed the connection.
+    """
+    if not isinstance(stream, trio.SocketStream):
+        return 0
+    sock = stream.socket
+    fd = sock.fileno()
+    if fd == -1 or sock.did_shutdown_SHUT_WR:
+        return 0
+    try:
+        return os.write(fd, data)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        if exc.errno == errno.EBADF:
+            return 0
+        raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc

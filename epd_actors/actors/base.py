@@ -110,6 +110,7 @@ class BaseActor:
         self.retries_total = 0
         self._inbox_send, self._inbox_receive = trio.open_memory_channel[Job](inbox_capacity)
         self._limiter = trio.CapacityLimiter(max_jobs)
+        self._jobs: trio.Nursery | None = None  # the job nursery, while ``run`` serves
         self.jobs_total = 0
         self.failures_total = 0
 
@@ -218,22 +219,30 @@ class BaseActor:
     ) -> AsyncIterator[tuple[Job, trio.MemoryReceiveChannel[StageEvent]]]:
         """Queue a job; yield it (read-only) and its reply channel; cancel it on exit.
 
+        A job that would not wait -- the actor is running and not crashing,
+        its inbox is empty and it has a free job slot -- skips the inbox: its
+        task is started in the actor's job nursery right here, which is what
+        the worker loop would do one scheduling round later.  Otherwise the
+        job goes through the inbox, in order behind the jobs already there.
+
         Backpressure: waits while the inbox is full.
         Cancellation: leaving the block (normally or not) cancels the job.
         """
         reply_send, reply_receive = trio.open_memory_channel[StageEvent](JOB_REPLY_BUFFER)
         job = Job(context, item, reply_send, enqueued_at=trio.current_time())
-        try:
-            await self._inbox_send.send(job)
-        except BaseException:
-            reply_send.close()
-            reply_receive.close()
-            raise
+        if not self._start_at_once(job):
+            try:
+                await self._inbox_send.send(job)
+            except BaseException:
+                reply_send.close()
+                reply_receive.close()
+                raise
         try:
             with reply_receive:
                 yield job, reply_receive
         finally:
-            job.cancel()
+            if job.finished_at is None:  # a finished job has nothing left to cancel
+                job.cancel()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the inbox until cancelled; report ready once it accepts jobs.
@@ -244,15 +253,39 @@ class BaseActor:
         worker-side work within a shielded, bounded cleanup.
         """
         async with trio.open_nursery() as jobs:
-            task_status.started()
-            while True:
-                job = await self._inbox_receive.receive()
-                try:
-                    await self._limiter.acquire_on_behalf_of(job)
-                except BaseException:
-                    job.reply.close()  # its requester sees the actor crash at once
-                    raise
-                jobs.start_soon(self._run_job, job, name=f"{self.stage}:{job.request_id}")
+            self._jobs = jobs
+            try:
+                task_status.started()
+                while True:
+                    job = await self._inbox_receive.receive()
+                    try:
+                        await self._limiter.acquire_on_behalf_of(job)
+                    except BaseException:
+                        job.reply.close()  # its requester sees the actor crash at once
+                        raise
+                    jobs.start_soon(self._run_job, job, name=f"{self.stage}:{job.request_id}")
+            finally:
+                self._jobs = None
+
+    def _start_at_once(self, job: Job) -> bool:
+        """Start ``job``'s task now if it would not wait in the inbox; False otherwise.
+
+        Never while the actor is stopped, restarting or crashing (its job
+        nursery is gone or cancelled: the job waits in the inbox for the next
+        ``run``), nor past jobs already queued (the inbox stays FIFO), nor
+        without a free slot of the limiter.
+        """
+        jobs = self._jobs
+        if jobs is None or jobs.cancel_scope.cancel_called:
+            return False
+        if self._inbox_send.statistics().current_buffer_used:
+            return False
+        try:
+            self._limiter.acquire_on_behalf_of_nowait(job)
+        except trio.WouldBlock:
+            return False
+        jobs.start_soon(self._run_job, job, name=f"{self.stage}:{job.request_id}")
+        return True
 
     async def _run_job(self, job: Job) -> None:
         try:

@@ -687,6 +687,9 @@ class NativeBackend:
         Cancellation: shielded, and bounded by ``abort_timeout_s``.
         """
         pending.stop_accepting()
+        if pending.settled.is_set() or not pending.sent or not pending.abortable:
+            self._unregister(pending)  # nothing to abort: no scope, no wait
+            return
         try:
             with trio.move_on_after(self.settings.abort_timeout_s, shield=True) as scope:
                 await self._abort(pending)

@@ -48,6 +48,7 @@ import trio
 
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
+from ..transport import send_some_nowait
 from .http_errors import HttpError, error_response
 from .media import resolve_media
 from .openai_format import SseFormatter, error_body, logprobs_body, response_body, unix_time
@@ -512,11 +513,23 @@ class HttpConnection:
         await self._write(data)
 
     async def _write(self, data: bytes) -> None:
+        """Write ``data``: at once when the socket has room, else waiting for it.
+
+        The awaited part (what the kernel did not take at once) is bounded by
+        ``write_timeout_s``.  Not a checkpoint when the socket took it all.
+        """
         if self.exchange is not None:
             self.exchange.sent += len(data)
+        try:
+            written = send_some_nowait(self.stream, data)
+        except trio.BrokenResourceError:
+            self.close_after = True
+            raise ClientGone("the client stopped reading") from None
+        if written == len(data):
+            return
         with trio.move_on_after(self.settings.write_timeout_s):
             try:
-                await self.stream.send_all(data)
+                await self.stream.send_all(data[written:])
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.close_after = True
                 raise ClientGone("the client stopped reading") from None
