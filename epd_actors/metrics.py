@@ -105,6 +105,11 @@ class RouterMetrics:
         self.output_tokens = Counter(
             "epd_output_tokens", "Output tokens streamed to clients", registry=registry
         )
+        # Labelled children, looked up once each (``labels()`` takes a lock
+        # and builds its key on every call); created on first use as before.
+        self._http_children: dict[tuple[str, int], Counter] = {}
+        self._outcome_children: dict[str, Counter] = {}
+        self._stage_children: dict[str, Histogram] = {}
         if statistics is not None:
             self.watch(statistics)
 
@@ -113,7 +118,11 @@ class RouterMetrics:
         self.registry.register(_StateCollector(statistics))
 
     def observe_http(self, route: str, status: int) -> None:
-        self.http_requests.labels(route, str(status)).inc()
+        key = (route, status)
+        child = self._http_children.get(key)
+        if child is None:
+            child = self._http_children[key] = self.http_requests.labels(route, str(status))
+        child.inc()
 
     def request_finished(self, outcome: RequestOutcome) -> None:
         """Record a finished request (``RequestObserver``)."""
@@ -123,12 +132,18 @@ class RouterMetrics:
             label = "cancelled"
         else:
             label = type(outcome.error).__name__ if outcome.error is not None else "failed"
-        self.requests.labels(label).inc()
+        outcome_child = self._outcome_children.get(label)
+        if outcome_child is None:
+            outcome_child = self._outcome_children[label] = self.requests.labels(label)
+        outcome_child.inc()
         timings = outcome.timings
         self.e2e.observe(timings.total_s)
         self.queue_wait.observe(timings.queue_wait_s)
         for stage, seconds in timings.stages.items():
-            self.stage_duration.labels(stage).observe(seconds)
+            stage_child = self._stage_children.get(stage)
+            if stage_child is None:
+                stage_child = self._stage_children[stage] = self.stage_duration.labels(stage)
+            stage_child.observe(seconds)
         self.output_tokens.inc(outcome.completion_tokens)
         if timings.ttft_s is not None:
             self.ttft.observe(timings.ttft_s)
