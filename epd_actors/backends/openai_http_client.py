@@ -40,6 +40,7 @@ bounded by ``CLEANUP_TIMEOUT_S``.
 from __future__ import annotations
 
 import contextlib
+import re
 import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -66,7 +67,8 @@ __all__ = [
 
 _MAX_CHUNK_LINE: Final = 4096
 _NO_BODY_STATUSES: Final = frozenset({204, 304})
-_HEX_DIGITS: Final = frozenset(b"0123456789abcdefABCDEF")
+_CHUNK_SIZE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?\Z")
+"""A chunk-size line (without its CRLF): hex digits, then optional extensions."""
 
 
 class HttpClientError(Exception):
@@ -422,6 +424,11 @@ class Response:
         conn = self._conn
         if conn is None:
             return
+        if self.complete and self._keep_alive and not conn.buffer:
+            # The common case: nothing to wait for, so no cancel scope either.
+            self._conn = None
+            self._client._give_back(conn)
+            return
         with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
             if not self.complete and drain_s > 0:
                 with trio.move_on_after(drain_s), contextlib.suppress(HttpClientError):
@@ -506,51 +513,56 @@ class Response:
         return True
 
     def _take_chunked(self, conn: _Connection) -> bytes:
-        """Consume every whole piece of chunked framing in the buffer; the data found."""
+        """Consume every whole piece of chunked framing in the buffer; the data found.
+
+        ``_chunk_left`` is the state: > 0 data bytes of the current chunk still
+        to come, -1 a chunk-size line, -2 the CRLF after a chunk's data, -3
+        the trailer section (lines up to a blank one).
+        """
         buffer = conn.buffer
+        if not buffer:
+            return b""
+        data = bytes(buffer)  # one copy; slicing and searching bytes is cheapest
+        size = len(data)
         out: list[bytes] = []
         pos = 0
-        while True:
-            if self._chunk_left > 0:  # inside a chunk's data
-                if pos >= len(buffer):
+        left = self._chunk_left
+        while pos < size:
+            if left > 0:
+                end = min(size, pos + left)
+                out.append(data[pos:end])
+                left -= end - pos
+                pos = end
+                if left == 0:
+                    left = -2
+            elif left == -2:
+                if size - pos < 2:
                     break
-                take = min(self._chunk_left, len(buffer) - pos)
-                out.append(bytes(buffer[pos : pos + take]))
-                pos += take
-                self._chunk_left -= take
-                if self._chunk_left == 0:
-                    self._chunk_left = -2  # the CRLF after the data
-                continue
-            if self._chunk_left == -2:
-                if len(buffer) - pos < 2:
-                    break
-                if buffer[pos : pos + 2] != b"\r\n":
+                if data[pos : pos + 2] != b"\r\n":
                     raise BadResponse("a chunk's data is not followed by CRLF")
                 pos += 2
-                self._chunk_left = -1
-                continue
-            end = buffer.find(b"\r\n", pos)
-            if end < 0:
-                if len(buffer) - pos > _MAX_CHUNK_LINE:
-                    raise BadResponse("a chunk-size line is too long")
-                break
-            line = bytes(buffer[pos:end])
-            pos = end + 2
-            if self._chunk_left == -3:  # trailer section: skip lines up to the blank one
-                if not line:
-                    self.complete = True
+                left = -1
+            else:
+                end = data.find(b"\r\n", pos)
+                if end < 0:
+                    if size - pos > _MAX_CHUNK_LINE:
+                        raise BadResponse("a chunk-size or trailer line is too long")
                     break
-                continue
-            size_text = line.split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise BadResponse(f"a bad chunk size: {size_text[:20]!r}") from None
-            if not set(size_text) <= _HEX_DIGITS:
-                raise BadResponse(f"a bad chunk size: {size_text[:20]!r}")
-            self._chunk_left = size if size else -3
+                if left == -3:
+                    blank = end == pos
+                    pos = end + 2
+                    if blank:
+                        self.complete = True
+                        break
+                    continue
+                match = _CHUNK_SIZE.match(data, pos, end)
+                if match is None:
+                    raise BadResponse(f"a bad chunk-size line: {data[pos:end][:20]!r}")
+                pos = end + 2
+                left = int(match.group(1), 16) or -3
+        self._chunk_left = left
         del buffer[:pos]
-        return b"".join(out)
+        return out[0] if len(out) == 1 else b"".join(out)
 
 
 def _check_header(name: str, value: str) -> None:
