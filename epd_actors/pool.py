@@ -10,7 +10,9 @@ job against that member until the lease is released; the lease carries the
 job's verdict to the member's circuit breaker (``health.py``).  When every
 usable member is at its limit the caller waits for a slot (bounded by the
 request's deadline, which the caller owns); when no member is usable at all
-the pool refuses at once with ``NoHealthyWorker``.
+the pool refuses at once with ``NoHealthyWorker``, and so does every waiter
+once the members it waited for become unusable (each waiter that finds none
+wakes the next).
 
 Membership changes at run time (``add``/``remove``/``drain``) take effect for
 the next lease; leases already granted finish normally.
@@ -232,7 +234,16 @@ class WorkerPool:
         """
         excluded = tuple(exclude)
         while True:
-            granted = self.try_lease(key, exclude=excluded)
+            try:
+                granted = self.try_lease(key, exclude=excluded)
+            except NoHealthyWorker:
+                # Only a returned lease wakes a waiter, one per lease.  When the
+                # workers are gone (a lost connection fails the jobs holding its
+                # slots) more waiters may be parked than leases come back, and
+                # nothing else would wake the rest before their deadlines: pass
+                # the wake-up on, so each waiter in turn sees NoHealthyWorker.
+                self._slot_freed.unpark()
+                raise
             if granted is not None:
                 return granted
             await self._slot_freed.park()
