@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from .errors import InvalidRequest
 from .protocol import MediaItem, Prompt, SamplingParams, Usage
@@ -20,9 +20,26 @@ if TYPE_CHECKING:
 PRIORITIES = ("high", "normal", "low")
 
 
+_RANDOM_POOL_BYTES: Final = 4096
+_random_pool = bytearray()
+
+
+def _random_hex(nbytes: int) -> str:
+    """``nbytes`` bytes from the OS's CSPRNG, as hex (like ``secrets.token_hex``).
+
+    The bytes come from a pool refilled ``_RANDOM_POOL_BYTES`` at a time, so a
+    request's ids cost no ``getrandom`` syscall each.
+    """
+    if len(_random_pool) < nbytes:
+        _random_pool.extend(secrets.token_bytes(_RANDOM_POOL_BYTES))
+    taken = _random_pool[-nbytes:]
+    del _random_pool[-nbytes:]
+    return taken.hex()
+
+
 def new_request_id() -> str:
     """A fresh, unguessable request id."""
-    return "req-" + secrets.token_hex(12)
+    return "req-" + _random_hex(12)
 
 
 def worker_request_id(request_id: str) -> str:
@@ -32,7 +49,7 @@ def worker_request_id(request_id: str) -> str:
     recognisable in worker logs, and a unique suffix keeps two clients that
     reuse an id (by accident or on purpose) from colliding on a worker.
     """
-    return f"{request_id}.{secrets.token_hex(4)}"
+    return f"{request_id}.{_random_hex(4)}"
 
 
 @dataclass(frozen=True, slots=True)

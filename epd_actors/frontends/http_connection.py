@@ -15,8 +15,9 @@ request goes through:
 3. *body*, read under ``body_timeout_s`` (408) while counting (413 as soon as a
    chunked body passes the limit); then JSON (400), the OpenAI schema (400
    naming the field), the model name (404), pending media.
-4. *generation*: ``app.generate(request)`` runs while a sibling task reads the
-   socket.  EOF means the client left: the task cancels the response, and
+4. *generation*: ``app.generate(request)`` runs while the connection's reader
+   task (one per connection, see :meth:`HttpConnection._read_loop`) reads the
+   socket.  EOF means the client left: the reader cancels the response, and
    leaving the ``generate`` block is what cancels the request and makes the
    router abort its workers.  A failed write, or one slower than
    ``write_timeout_s``, does the same.
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 import h11
 import trio
 
+from .._groups import single_exception
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
 from ..transport import send_some_nowait
@@ -140,6 +142,11 @@ class HttpConnection:
         self.saw_eof = False
         self.close_after = False
         self.exchange: _Exchange | None = None
+        # The reader task and the request loop: see ``_read_loop``.
+        self._arrived = trio.Event()  # set by the reader when it fed h11 (or saw EOF)
+        self._wanted = trio.Event()  # set by the request loop when it waits for bytes
+        self._waiting = False  # the request loop waits for bytes
+        self._response: trio.CancelScope | None = None  # the response being generated
 
     def __repr__(self) -> str:
         return f"<HttpConnection request={self.rid} state={self.h11.states}>"
@@ -154,10 +161,22 @@ class HttpConnection:
     async def serve(self) -> None:
         """Serve requests until the connection should close.
 
+        One reader task (:meth:`_read_loop`) lives as long as this call; the
+        requests are served in the calling task.
+
         Cancellation: cancels the request being served (its workers are told
         to abort); the caller closes the stream.
         Backpressure: one request at a time; pipelined bytes wait in h11.
         """
+        with single_exception():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_loop, name=f"http-reader:{id(self):x}")
+                try:
+                    await self._serve_requests()
+                finally:
+                    nursery.cancel_scope.cancel(reason="connection done")
+
+    async def _serve_requests(self) -> None:
         while True:
             request = await self._next_request()
             if request is None:
@@ -313,12 +332,43 @@ class HttpConnection:
         raise HttpError(408, "request body timed out", code="timeout")
 
     async def _next_event(self) -> object:
-        """The next h11 event (never ``NEED_DATA``: reads until there is one)."""
+        """The next h11 event (never ``NEED_DATA``: waits for the reader until there is one)."""
         while True:
             event = self.h11.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            self.h11.receive_data(await self._receive())
+            self._arrived = trio.Event()
+            self._waiting = True
+            self._wanted.set()
+            try:
+                await self._arrived.wait()
+            finally:
+                self._waiting = False
+
+    async def _read_loop(self) -> None:
+        """The connection's only reader, for as long as it is served.
+
+        Feeds what arrives to h11 and wakes the request loop when it waits for
+        bytes.  While a response is generated it keeps reading, so that EOF
+        (the client left) cancels the response at once; at most
+        ``max_pipelined_bytes`` of the client's next requests are buffered
+        that way, beyond which it reads only when the request loop asks.
+        One task per connection, not one per request: between two requests it
+        simply stays parked in its read.
+        """
+        limit = self.settings.max_pipelined_bytes
+        while True:
+            if len(self.h11.trailing_data[0]) > limit and not self._waiting:
+                self._wanted = trio.Event()
+                await self._wanted.wait()
+                continue
+            data = await self._receive()
+            self.h11.receive_data(data)
+            self._arrived.set()
+            if not data:
+                if self._response is not None:
+                    self._response.cancel(reason="client disconnected")
+                return
 
     async def _receive(self) -> bytes:
         try:
@@ -359,14 +409,16 @@ class HttpConnection:
         await self._watched(parsed)
 
     async def _watched(self, parsed: ParsedRequest) -> None:
-        """Run ``parsed`` while a sibling task watches for the client leaving.
+        """Run ``parsed`` in a scope the reader cancels if the client leaves (EOF).
 
-        A failure is carried out of the nursery by hand so that one exception,
-        not a group, reaches the error mapping.
+        A failure is carried out of the scope by hand so that the EOF check
+        comes first.
         """
         failure: HttpError | EpdError | ClientGone | _Failed | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch, nursery.cancel_scope, name=f"watch:{parsed.request_id}")
+        with trio.CancelScope() as response:
+            if self.saw_eof:
+                response.cancel(reason="client disconnected")
+            self._response = response
             try:
                 if parsed.stream:
                     await self._stream(parsed)
@@ -375,21 +427,12 @@ class HttpConnection:
             except (HttpError, EpdError, ClientGone, _Failed) as exc:
                 failure = exc
             finally:
-                nursery.cancel_scope.cancel(reason="response finished")
+                self._response = None
         if self.saw_eof:
             logger.debug("[%s] client disconnected; request cancelled", parsed.request_id)
             raise ClientGone("client disconnected")
         if failure is not None:
             raise failure
-
-    async def _watch(self, scope: trio.CancelScope) -> None:
-        """Hand early (pipelined) bytes to h11; on EOF, cancel the response."""
-        while len(self.h11.trailing_data[0]) <= self.settings.max_pipelined_bytes:
-            data = await self._receive()
-            self.h11.receive_data(data)
-            if not data:
-                scope.cancel(reason="client disconnected")
-                return
 
     async def _unary(self, parsed: ParsedRequest) -> None:
         texts: list[str] = []
