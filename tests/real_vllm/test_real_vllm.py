@@ -1,0 +1,245 @@
+"""The router in front of real vLLM engines on CPU, with both backends.
+
+Each test proves that the stages really happened, not only that text came
+back: golden logprobs from a plain single instance, E's encoder-cache entry on
+disk, vLLM's own ``prompt_tokens_by_source_total{source="external_kv_transfer"}``
+on D, and vLLM's running gauge and abort counter on D.  The tests share one
+fleet per backend and run in file order; the kill -9 test is last because it
+takes D away.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import openai
+import pytest
+
+from .cases import CASES, Answer, answer_of, assert_matches_golden
+from .fleet import metric_sum
+
+if TYPE_CHECKING:
+    from .conftest import Fleet
+
+pytestmark = pytest.mark.real_vllm
+
+CLIENT_TIMEOUT_S = 120.0
+EXTERNAL_KV = 'source="external_kv_transfer"'
+RUNNING = "vllm:num_requests_running"
+FINISHED_BY_LENGTH = ("vllm:request_success_total", 'finished_reason="length"')
+GENERATED = "vllm:generation_tokens_total"
+# About ten seconds of decoding for the tiny model here: D is surely still running when the
+# client hangs up or D is killed, and a finished request would show in the counts.
+LONG_TOKENS = 3500
+
+
+def client(fleet: Fleet, router: str) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=fleet.routers[router].v1,
+        api_key="unused",
+        max_retries=0,
+        timeout=CLIENT_TIMEOUT_S,
+    )
+
+
+def chat(url: str, body: dict[str, Any]) -> tuple[Answer, float]:
+    started = time.monotonic()
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT_S)
+    elapsed = time.monotonic() - started
+    assert response.status_code == 200, response.text
+    return answer_of(response.json()), elapsed
+
+
+def external_kv_tokens(fleet: Fleet, engine: str) -> float:
+    url = fleet.engines[engine].metrics_url
+    return metric_sum(url, "vllm:prompt_tokens_by_source_total", EXTERNAL_KV)
+
+
+def has_text(line: str) -> bool:
+    """An SSE data line whose chunk carries generated text (not the opening role chunk)."""
+    if not line.startswith("data: {"):
+        return False
+    chunk = json.loads(line.removeprefix("data: "))
+    return any((choice.get("delta") or {}).get("content") for choice in chunk.get("choices", []))
+
+
+def long_stream_body(fleet: Fleet) -> dict[str, Any]:
+    body = CASES["qwen-text"].body(fleet.model("qwen2vl"), max_tokens=LONG_TOKENS)
+    return body | {"stream": True, "min_tokens": LONG_TOKENS}
+
+
+def wait_for_metric(url: str, name: str, label: str, want: float, timeout_s: float) -> float:
+    """Poll until the metric equals ``want``; returns the seconds it took."""
+    started = time.monotonic()
+    while True:
+        value = metric_sum(url, name, label)
+        if value == want:
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"{name}{{{label}}} stayed at {value}, not {want}, for {timeout_s} s")
+        time.sleep(0.05)
+
+
+def test_e_p_d_image_equals_a_plain_instance_and_every_stage_ran(fleet: Fleet) -> None:
+    case = CASES["green"]
+    before_entries = fleet.ec_entries()
+    before_kv = external_kv_tokens(fleet, "d")
+    answer, _ = chat(fleet.routers["epd"].url, case.body(fleet.model("qwen2vl")))
+    assert_matches_golden(case, answer)
+    new_entries = fleet.ec_entries() - before_entries
+    assert len(new_entries) == 1, new_entries
+    (entry,) = new_entries
+    assert (fleet.ec_store / entry / "encoder_cache.safetensors").is_file()
+    assert external_kv_tokens(fleet, "d") - before_kv == answer.prompt_tokens
+
+
+def test_streaming_through_the_openai_client(fleet: Fleet) -> None:
+    case = CASES["blue"]
+    before_entries = fleet.ec_entries()
+    stream = client(fleet, "epd").chat.completions.create(
+        model=fleet.model("qwen2vl"),
+        messages=case.messages(),  # type: ignore[arg-type]
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, logprobs, finish, usage, chunks = "", [], None, None, 0
+    for chunk in stream:
+        chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.logprobs and choice.logprobs.content:
+                logprobs += [entry.logprob for entry in choice.logprobs.content]
+            finish = choice.finish_reason or finish
+    assert usage is not None
+    assert chunks >= 2
+    answer = Answer(text, logprobs, usage.prompt_tokens, usage.completion_tokens, finish)
+    assert finish == "length"
+    assert_matches_golden(case, answer)
+    assert len(fleet.ec_entries() - before_entries) == 1
+
+
+def test_text_only_request_skips_the_encoder(fleet: Fleet) -> None:
+    case = CASES["qwen-text"]
+    before_entries = fleet.ec_entries()
+    before_kv = external_kv_tokens(fleet, "d")
+    answer, _ = chat(fleet.routers["epd"].url, case.body(fleet.model("qwen2vl")))
+    assert_matches_golden(case, answer)
+    assert fleet.ec_entries() == before_entries
+    assert external_kv_tokens(fleet, "d") - before_kv == answer.prompt_tokens
+
+
+def test_e_pd_image_equals_a_plain_instance(fleet: Fleet) -> None:
+    case = CASES["red"]
+    before_entries = fleet.ec_entries()
+    completion = client(fleet, "e_pd").chat.completions.create(
+        model=fleet.model("qwen2vl"),
+        messages=case.messages(),  # type: ignore[arg-type]
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+    )
+    answer = answer_of(completion.model_dump())
+    assert_matches_golden(case, answer)
+    assert answer.finish_reason == "length"
+    assert len(fleet.ec_entries() - before_entries) == 1
+
+
+def test_p_d_text_model_equals_a_plain_instance(fleet: Fleet) -> None:
+    case = CASES["llama-text"]
+    before_kv = external_kv_tokens(fleet, "td")
+    answer, _ = chat(fleet.routers["text"].url, case.body(fleet.model("llama")))
+    assert_matches_golden(case, answer)
+    assert external_kv_tokens(fleet, "td") - before_kv == answer.prompt_tokens
+
+
+def test_latency_through_the_router_versus_direct(fleet: Fleet) -> None:
+    """Recorded for docs/benchmarks.md, not asserted: medians of five requests each."""
+    text = CASES["llama-text"]
+    image = CASES["magenta"]
+    direct_text = fleet.engines["td"].address
+    rows: dict[str, float] = {}
+    samples: dict[str, list[float]] = {"router P+D text": [], "router E+P+D image": []}
+    if fleet.backend == "openai_http":
+        samples["direct text (one instance)"] = []
+    for _ in range(5):
+        samples["router P+D text"].append(
+            chat(fleet.routers["text"].url, text.body(fleet.model("llama")))[1]
+        )
+        samples["router E+P+D image"].append(
+            chat(fleet.routers["epd"].url, image.body(fleet.model("qwen2vl")))[1]
+        )
+        if fleet.backend == "openai_http":
+            samples["direct text (one instance)"].append(
+                chat(direct_text, text.body(fleet.model("llama")))[1]
+            )
+    for name, values in samples.items():
+        rows[name] = round(statistics.median(values) * 1000, 1)
+    fleet.report["latency_ms_p50"] = rows
+    print(f"\nreal-vllm {fleet.backend} latency (ms, p50 of 5): {json.dumps(rows)}")
+
+
+def test_client_disconnect_aborts_the_request_inside_vllm(fleet: Fleet) -> None:
+    """D was running the request; after the client hangs up it runs nothing, and the request
+    neither ran to its length nor produced its tokens: it was aborted inside vLLM."""
+    d_metrics = fleet.engines["d"].metrics_url
+    finished_before = metric_sum(d_metrics, *FINISHED_BY_LENGTH)
+    generated_before = metric_sum(d_metrics, GENERATED)
+    url = f"{fleet.routers['epd'].url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=long_stream_body(fleet), timeout=CLIENT_TIMEOUT_S) as reply:
+        assert reply.status_code == 200
+        assert any(has_text(line) for line in reply.iter_lines())
+        wait_for_metric(d_metrics, RUNNING, "", 1, timeout_s=30)
+    took = wait_for_metric(d_metrics, RUNNING, "", 0, timeout_s=30)
+    assert metric_sum(d_metrics, *FINISHED_BY_LENGTH) == finished_before
+    assert metric_sum(d_metrics, GENERATED) - generated_before < LONG_TOKENS
+    fleet.report["disconnect_to_running_0_s"] = round(took, 2)
+
+
+def test_kill_9_of_decode_mid_stream_is_an_error_and_other_pools_still_serve(
+    fleet: Fleet,
+) -> None:
+    url = f"{fleet.routers['epd'].url}/v1/chat/completions"
+    events: list[str] = []
+    with httpx.stream("POST", url, json=long_stream_body(fleet), timeout=60.0) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert any(has_text(line) for line in lines)
+        fleet.engines["d"].process.kill_group()
+        killed = time.monotonic()
+        events = [line for line in lines if line.startswith("data: ")]
+    ended_after = time.monotonic() - killed
+    assert "data: [DONE]" not in events
+    assert events, "the stream ended without an error event"
+    error = json.loads(events[-1].removeprefix("data: "))
+    assert "error" in error, events[-1]
+    fleet.report["kill_9_to_client_error_s"] = round(ended_after, 2)
+
+    # The E+P+D router sees its decode pool empty and refuses new requests at once; the
+    # routers over other pools (E+PD, and P+D on the text model) still serve.
+    wait_for_health(fleet.routers["epd"].url, "decode", usable=0, timeout_s=30)
+    refused = httpx.post(url, json=CASES["qwen-text"].body(fleet.model("qwen2vl")), timeout=150)
+    assert refused.status_code == 503, refused.text
+    answer, _ = chat(fleet.routers["e_pd"].url, CASES["green"].body(fleet.model("qwen2vl")))
+    assert_matches_golden(CASES["green"], answer)
+    answer, _ = chat(fleet.routers["text"].url, CASES["llama-text"].body(fleet.model("llama")))
+    assert_matches_golden(CASES["llama-text"], answer)
+
+
+def wait_for_health(url: str, pool: str, usable: int, timeout_s: float) -> None:
+    started = time.monotonic()
+    while True:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        if health["pools"][pool]["usable"] == usable:
+            return
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"pool {pool} of {url} stayed at {health['pools'][pool]}")
+        time.sleep(0.2)
