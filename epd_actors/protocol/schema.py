@@ -171,11 +171,17 @@ def _compile_union(args: tuple[object, ...]) -> tuple[Checker, Emitter]:
 
 def _compile_tuple(item: object) -> tuple[Checker, Emitter]:
     item_check, item_emit = _compile(item)
+    # Items whose check is an exact type test (token ids, strings) are checked
+    # in one pass without building a path per item; the item-by-item pass,
+    # which names the bad item, runs only when that finds a mismatch.
+    exact = item if item in (int, str, bool, bytes) else None
 
     def check(value: object, path: str) -> object:
         if type(value) not in (tuple, list):
             _fail(path, "array", value)
         items = typing.cast("list[object]", value)
+        if exact is not None and all(type(v) is exact for v in items):
+            return tuple(items)
         return tuple(item_check(v, f"{path}[{i}]") for i, v in enumerate(items))
 
     if item_emit is _identity:
