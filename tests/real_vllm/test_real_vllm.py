@@ -196,8 +196,16 @@ def test_client_disconnect_aborts_the_request_inside_vllm(fleet: Fleet) -> None:
     url = f"{fleet.routers['epd'].url}/v1/chat/completions"
     with httpx.stream("POST", url, json=long_stream_body(fleet), timeout=CLIENT_TIMEOUT_S) as reply:
         assert reply.status_code == 200
-        assert any(has_text(line) for line in reply.iter_lines())
-        wait_for_metric(d_metrics, RUNNING, "", 1, timeout_s=30)
+        lines = reply.iter_lines()
+        assert any(has_text(line) for line in lines)
+        # Keep reading, as a client would, until D's gauge shows the request running.
+        seen: list[str] = []
+        started = time.monotonic()
+        while metric_sum(d_metrics, RUNNING) != 1:
+            line = next(lines, None)
+            assert line is not None, f"the stream ended before D showed it running: {seen[-3:]}"
+            seen.append(line)
+            assert time.monotonic() - started < 30, "D never showed the request running"
     took = wait_for_metric(d_metrics, RUNNING, "", 0, timeout_s=30)
     assert metric_sum(d_metrics, *FINISHED_BY_LENGTH) == finished_before
     assert metric_sum(d_metrics, GENERATED) - generated_before < LONG_TOKENS
