@@ -82,6 +82,15 @@ class FramedStream:
         await self._send_bytes(b"".join(frames))
         self.frames_sent += len(frames)
 
+    async def send_encoded(self, data: bytes, frames: int) -> None:
+        """Write ``frames`` already encoded frames, joined in ``data``, as one ``send_all``.
+
+        Same rules as :meth:`send`; the caller encoded each frame with
+        :func:`~.protocol.encode` under this stream's frame limit.
+        """
+        await self._send_bytes(data)
+        self.frames_sent += frames
+
     async def _send_bytes(self, data: bytes) -> None:
         lock = self._send_lock
         try:

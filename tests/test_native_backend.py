@@ -54,7 +54,7 @@ from epd_actors.protocol import (
     Welcome,
     WorkerStats,
 )
-from epd_actors.protocol.codec import HEADER
+from epd_actors.protocol.codec import HEADER, FrameDecoder
 from epd_actors.transport import FramedStream
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
 
@@ -114,6 +114,7 @@ class WorkerLink:
         self.nursery: trio.Nursery | None = None
         self.attempts: list[float] = []
         self.worker_ends: list[trio.abc.Stream] = []
+        self.client_ends: list[RecordingStream] = []
         self._t0 = trio.current_time()
 
     async def connect(self) -> trio.abc.Stream:
@@ -130,11 +131,42 @@ class WorkerLink:
         assert self.nursery is not None
         self.nursery.start_soon(serve, worker_end)
         self.worker_ends.append(worker_end)
-        return client_end
+        recording = RecordingStream(client_end)
+        self.client_ends.append(recording)
+        return recording
 
     async def cut(self) -> None:
         """Close the worker's end of the latest connection."""
         await self.worker_ends[-1].aclose()
+
+
+class RecordingStream(trio.abc.Stream):
+    """The router's end of a connection, recording every ``send_all`` as the
+    messages it carried.  ``stall``: while set, a ``send_all`` waits for it
+    before writing anything; ``delay``: each ``send_all`` first sleeps this long."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.writes: list[list[Message]] = []
+        self.stall: trio.Event | None = None
+        self.delay = 0.0
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(FrameDecoder().feed_all(data))
+        if self.stall is not None:
+            await self.stall.wait()
+        if self.delay:
+            await trio.sleep(self.delay)
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 IDLE = WorkerStats(running=0, queued=0, draining=False, engine_ready=True)
@@ -696,3 +728,198 @@ async def test_cancelling_run_closes_the_connection_and_fails_in_flight(
         assert engine.aborted == ["g"]
         assert server.statistics().connections == 0
         nursery.cancel_scope.cancel(reason="test finished")
+
+
+# ---------------------------------------------------------------- the connection's writer
+
+
+def kinds(write: list[Message]) -> list[str]:
+    return [message.TAG for message in write]
+
+
+async def test_a_burst_of_requests_is_written_in_few_writes(autojump_clock: object) -> None:
+    link = WorkerLink(make_server(max_concurrency=1000).handle_stream)
+    async with harness(link) as backend:
+        await trio.testing.wait_all_tasks_blocked()
+        stream = link.client_ends[-1]
+        before = len(stream.writes)
+        results: dict[str, int] = {}
+
+        async def one(request_id: str) -> None:
+            results[request_id] = (await backend.run_stage(prefill(request_id))).prompt_tokens
+
+        async with trio.open_nursery() as nursery:
+            for i in range(1000):
+                nursery.start_soon(one, f"p{i}")
+        assert results == {f"p{i}": 5 for i in range(1000)}
+        burst = stream.writes[before:]
+        assert [kinds(write) for write in burst] == [["prefill"] * 1000]
+        stats = backend.statistics()
+        assert (stats.writes, stats.frames_written) == (len(stream.writes) - 1, 1001)  # + a ping
+
+
+async def test_a_full_write_queue_makes_requests_wait_for_room(autojump_clock: object) -> None:
+    link = WorkerLink(make_server(max_concurrency=1000).handle_stream)
+    async with harness(link, settings=replace(FAST, write_queue_frames=100)) as backend:
+        await trio.testing.wait_all_tasks_blocked()
+        stream = link.client_ends[-1]
+        before = len(stream.writes)
+        async with trio.open_nursery() as nursery:
+            for i in range(1000):
+                nursery.start_soon(backend.run_stage, prefill(f"p{i}"))
+        burst = [write for write in stream.writes[before:] if "ping" not in kinds(write)]
+        assert [len(write) for write in burst] == [100] * 10
+        written = [message.request_id for write in burst for message in write]  # type: ignore[attr-defined]
+        assert sorted(written) == sorted(f"p{i}" for i in range(1000))  # each once
+        assert backend.statistics().in_flight == 0
+
+
+async def test_a_ping_is_written_ahead_of_a_full_data_queue(autojump_clock: object) -> None:
+    settings = replace(FAST, write_queue_frames=4)
+    link = WorkerLink(make_server().handle_stream)
+    async with harness(link, settings=settings) as backend:
+        await trio.testing.wait_all_tasks_blocked()  # the first ping is answered
+        stream = link.client_ends[-1]
+        stream.stall = trio.Event()  # the worker stops reading
+        done: list[str] = []
+
+        async def one(request_id: str) -> None:
+            await backend.run_stage(prefill(request_id))
+            done.append(request_id)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(one, f"p{i}")
+            await trio.sleep(1.5)  # the second ping is due at 1.0, behind 4 + 4 queued requests
+            assert backend.statistics().in_flight == 20
+            assert kinds(stream.writes[-1]) == ["prefill"] * 4  # the write that is stuck
+            stream.stall.set()
+        assert sorted(done) == sorted(f"p{i}" for i in range(20))
+        # The next write after the stuck one: the ping first, then the next four requests.
+        ping_write = next(w for w in stream.writes if Ping(2) in w)
+        assert kinds(ping_write) == ["ping"] + ["prefill"] * 4
+        stats = backend.statistics()
+        assert (stats.disconnects, stats.last_rtt_s) == (0, 0.5)
+        assert len(link.attempts) == 1
+
+
+async def test_a_stalled_worker_trips_the_write_timeout(
+    autojump_clock: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = replace(FAST, write_timeout_s=2.0, heartbeat_timeout_s=8.0)
+    link = WorkerLink(make_server().handle_stream)
+    async with harness(link, settings=settings) as backend:
+        await trio.testing.wait_all_tasks_blocked()
+        link.client_ends[-1].stall = trio.Event()  # never set: the worker reads no more
+        errors: list[BaseException] = []
+        start = trio.current_time()
+
+        async def one(request_id: str) -> None:
+            try:
+                await backend.run_stage(prefill(request_id))
+            except WorkerDisconnected as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, f"p{i}")
+        assert trio.current_time() - start == 2.0
+        assert len(errors) == 3
+        assert all("took over 2.0 s" in str(error) for error in errors)
+        assert all(isinstance(error, WorkerDisconnected) and error.retryable for error in errors)
+        assert backend.statistics().in_flight == 0
+        await backend.wait_connected()  # a fresh connection, not stalled
+        assert (await backend.run_stage(prefill("p"))).prompt_tokens == 5
+        assert backend.statistics().disconnects == 1
+    assert any("took over 2.0 s" in m for m in log_records(caplog, logging.ERROR))
+
+
+async def test_time_queued_does_not_count_against_the_write_timeout(
+    autojump_clock: object,
+) -> None:
+    settings = replace(FAST, write_timeout_s=2.0, heartbeat_timeout_s=8.0)
+    link = WorkerLink(make_server().handle_stream)
+    async with harness(link, settings=settings) as backend:
+        await trio.testing.wait_all_tasks_blocked()
+        link.client_ends[-1].delay = 1.5  # every write takes 1.5 s: slow, within the limit
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(backend.run_stage, prefill("first"))
+            await trio.sleep(0.25)
+            # Queued behind the first write for 1.25 s, then written in 1.5 s.
+            result = await backend.run_stage(prefill("second"))
+        assert result.prompt_tokens == 5
+        assert trio.current_time() - start == 3.0
+        assert backend.statistics().disconnects == 0
+
+
+async def test_a_request_cancelled_while_the_queue_is_full_sends_nothing(
+    autojump_clock: object,
+) -> None:
+    settings = replace(FAST, write_queue_frames=1)
+    raw = RawWorker(lambda message: [StageResult(message.request_id, prompt_tokens=1)])
+    link = WorkerLink(raw.serve)
+    async with harness(link, settings=settings) as backend:
+        await trio.testing.wait_all_tasks_blocked()
+        stream = link.client_ends[-1]
+        stream.stall = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(backend.run_stage, prefill("written"))  # taken, write stuck
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(backend.run_stage, prefill("queued"))  # fills the queue
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(0.5) as scope:
+                await backend.run_stage(prefill("waiting"))  # finds the queue full
+            assert scope.cancelled_caught
+            assert backend.statistics().in_flight == 2
+            stream.stall.set()
+        assert raw.received == [prefill("written"), prefill("queued")]
+        assert backend.statistics().aborts_sent == 0
+
+
+async def test_an_abort_follows_a_request_still_queued(autojump_clock: object) -> None:
+    settings = replace(FAST, write_queue_frames=1)
+
+    def script(message: Message) -> list[Message | bytes]:
+        if isinstance(message, Abort):
+            return [Aborted(message.request_id)]
+        return [StageResult(message.request_id)] if message.request_id == "written" else []
+
+    raw = RawWorker(script)
+    link = WorkerLink(raw.serve)
+    async with harness(link, settings=settings) as backend:
+        await trio.testing.wait_all_tasks_blocked()
+        stream = link.client_ends[-1]
+        stream.stall = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(backend.run_stage, prefill("written"))  # taken, write stuck
+            await trio.testing.wait_all_tasks_blocked()
+
+            async def give_up() -> None:
+                with trio.move_on_after(0.5):
+                    await backend.run_stage(prefill("queued"))  # queued, then given up
+
+            nursery.start_soon(give_up)
+            await trio.sleep(0.75)
+            assert backend.statistics().aborts_sent == 1
+            stream.stall.set()
+        assert raw.received == [prefill("written"), prefill("queued"), Abort("queued")]
+        assert [prefill("queued"), Abort("queued")] in stream.writes  # one write, in order
+        assert backend.statistics().in_flight == 0
+
+
+# ---------------------------------------------------------------- liveness
+
+
+async def test_a_worker_streaming_data_is_alive_though_its_pongs_are_late(
+    autojump_clock: object,
+) -> None:
+    engine = ScriptedEngine(tokens=16, token_delay=1.0)
+    link = WorkerLink(make_server(engine, heartbeat_delay_s=5.0).handle_stream)
+    async with harness(link) as backend:  # heartbeat_timeout_s is 3 s: every pong is late
+        async with backend.open_stream(generate("g")) as stream:
+            texts = [delta.text async for delta in stream]
+        assert "".join(texts) == "".join(f"t{i} " for i in range(16))
+        stats = backend.statistics()
+        assert (stats.disconnects, stats.last_rtt_s) == (0, 5.0)
+        assert len(link.attempts) == 1

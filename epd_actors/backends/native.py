@@ -12,12 +12,14 @@ workers are down -- and then loops:
    kept as :attr:`NativeBackend.welcome`.  An ``ErrorReply`` is a
    ``HandshakeRejected``: logged at error level and retried after the longest
    backoff, since an operator may fix the token without restarting the router;
-2. serve the connection with two tasks in one nursery: the *reader* decodes
-   frames and routes each reply to its request; the *heartbeat* sends ``Ping``
-   every ``heartbeat_interval_s`` inside a watchdog scope whose deadline every
-   ``Pong`` pushes ``heartbeat_timeout_s`` ahead.  The first task to fail (a
-   lost stream, a protocol error, a missed pong) or a deliberate close ends
-   the connection, and only the connection: ``run`` logs and carries on;
+2. serve the connection with three tasks in one nursery: the *reader* decodes
+   frames and routes each reply to its request; the *writer* is the only task
+   that writes (see Writes below); the *heartbeat* queues a ``Ping`` every
+   ``heartbeat_interval_s`` inside a watchdog scope whose deadline every frame
+   received -- a ``Pong``, a delta, any reply -- pushes ``heartbeat_timeout_s``
+   ahead.  The first task to fail (a lost stream, a protocol error, a silent
+   worker, a stuck write) or a deliberate close ends the connection, and only
+   the connection: ``run`` logs and carries on;
 3. fail every request still in flight on it with ``WorkerDisconnected``;
 4. wait a jittered exponential backoff (back to its start value after a
    connection that was welcomed) and start again at 1.
@@ -35,14 +37,29 @@ to an abandoned request) are ignored at debug level.  A message that breaks the
 protocol (garbage, a message only clients send, a reply of the wrong kind)
 closes the connection, is logged at error level, and the supervisor reconnects.
 
-Cancellation.  Every exit from a request before its terminal reply -- a
-cancelled caller, a stream context left early, an overrun -- sends ``Abort`` and
-waits for ``Aborted``, shielded and bounded by ``abort_timeout_s``; the entry is
-unregistered on every path, so ``statistics().in_flight`` is exact.  A frame is
-written whole or the connection is closed: a request is written in a shielded
-scope bounded by ``write_timeout_s`` (a cancelled caller waits for its own
-frame, not for a reply), and an interrupted write closes the connection,
-because a partial frame would garble every request multiplexed behind it.
+Writes.  Requests, aborts and pings are encoded by the task that makes them
+and queued in the connection's :class:`_Outbox`; one writer task per
+connection takes everything queued so far and writes it with one ``send_all``,
+so a burst of thousands of requests costs a few writes instead of a queue of
+writers draining one frame per scheduling round.  Request frames go in the
+data queue, bounded by ``write_queue_frames`` and ``write_queue_bytes``: a
+request that finds it full waits (backpressure) until the writer takes the
+queue, under the caller's own deadline -- cancelled there, nothing was queued
+and nothing is sent.  ``Ping`` and ``Abort`` go in the control queue, which is
+not bounded by those limits and is written ahead of the data, so the
+heartbeat never waits behind requests.  ``write_timeout_s`` bounds the
+writer's ``send_all`` only (a peer that stopped reading), not time spent
+queued; when it passes, the connection is closed -- a partial frame would
+garble every request multiplexed behind it -- and its requests fail with
+``WorkerDisconnected``.
+
+Cancellation.  Every exit from a request whose frame was queued, before its
+terminal reply -- a cancelled caller, a stream context left early, an overrun
+-- queues ``Abort`` and waits for ``Aborted``, shielded and bounded by
+``abort_timeout_s``; the entry is unregistered on every path, so
+``statistics().in_flight`` is exact.  An ``Abort`` for a request whose frame
+the writer has not taken yet is queued behind that frame, so the worker
+always sees the request before its abort.
 
 Drain.  After the worker's ``Goodbye``, ``status().draining`` stays true until
 a new connection is welcomed.  New stage requests are refused locally with
@@ -92,6 +109,7 @@ from ..protocol import (
     StageResult,
     Welcome,
     WorkerStats,
+    encode,
 )
 from ..transport import FramedStream
 from .base import BackendStatus
@@ -181,6 +199,8 @@ class NativeBackend:
         self._disconnects = 0
         self._overruns = 0
         self._aborts_sent = 0
+        self._writes = 0
+        self._frames_written = 0
         self._last_rtt_s: float | None = None
 
     def __repr__(self) -> str:
@@ -223,6 +243,8 @@ class NativeBackend:
             last_rtt_s=self._last_rtt_s,
             role=None if welcome is None else welcome.role,
             model=None if welcome is None else welcome.model,
+            writes=self._writes,
+            frames_written=self._frames_written,
         )
 
     async def wait_connected(self) -> None:
@@ -352,7 +374,13 @@ class NativeBackend:
         return reply
 
     async def _serve_connection(self, framed: FramedStream, welcome: Welcome) -> None:
-        conn = _Connection(framed, welcome)
+        settings = self.settings
+        conn = _Connection(
+            framed,
+            welcome,
+            max_frames=settings.write_queue_frames,
+            max_bytes=settings.write_queue_bytes,
+        )
         try:
             with conn.scope:
                 async with trio.open_nursery() as nursery:
@@ -360,6 +388,7 @@ class NativeBackend:
                     self._connection_up(conn)
                     name = self.worker_id
                     nursery.start_soon(self._read_loop, conn, name=f"native-reader:{name}")
+                    nursery.start_soon(self._write_loop, conn, name=f"native-writer:{name}")
                     nursery.start_soon(self._heartbeat_loop, conn, name=f"native-heartbeat:{name}")
         except* RemoteProtocolError as group:
             conn.reason = conn.reason or f"protocol error: {group.exceptions[0]}"
@@ -401,6 +430,7 @@ class NativeBackend:
 
     def _connection_down(self, conn: _Connection) -> None:
         reason = conn.reason or "connection closed"
+        conn.outbox.close()
         if self._conn is conn:
             self._conn = None
             self._connected = trio.Event()
@@ -419,9 +449,16 @@ class NativeBackend:
     # ------------------------------------------------------------ connection tasks
 
     async def _read_loop(self, conn: _Connection) -> None:
-        """Decode and route replies until the connection ends (the only reader)."""
+        """Decode and route replies until the connection ends (the only reader).
+
+        Every frame received proves the worker alive: it pushes the heartbeat
+        watchdog's deadline ``heartbeat_timeout_s`` ahead, as a ``Pong`` does.
+        """
+        timeout = self.settings.heartbeat_timeout_s
+        watchdog = conn.watchdog
         while conn.reason is None:
             message = await conn.framed.receive()
+            watchdog.deadline = trio.current_time() + timeout
             if message is None:
                 level = logging.DEBUG if self._draining else logging.ERROR
                 logger.log(
@@ -504,17 +541,10 @@ class NativeBackend:
         )
         pending.abort_sent = True
         self._aborts_sent += 1
-        assert conn.nursery is not None  # set before the reader starts
-        conn.nursery.start_soon(
-            self._send_whole,
-            conn,
-            Abort(pending.request_id),
-            name=f"native-abort:{self.worker_id}:{pending.request_id}",
-        )
+        conn.outbox.put_after(pending.number, self._encode(Abort(pending.request_id)))
 
     def _on_pong(self, conn: _Connection, pong: Pong) -> None:
-        now = trio.current_time()
-        conn.watchdog.deadline = now + self.settings.heartbeat_timeout_s
+        now = trio.current_time()  # the reader pushed the watchdog already
         sent_at = conn.pings.pop(pong.nonce, None)
         if sent_at is not None:
             self._last_rtt_s = now - sent_at
@@ -534,10 +564,14 @@ class NativeBackend:
         pending.settle()
 
     async def _heartbeat_loop(self, conn: _Connection) -> None:
-        """Ping every interval; raise once no pong came for ``heartbeat_timeout_s``.
+        """Queue a ping every interval; raise once nothing came for ``heartbeat_timeout_s``.
+
+        The ``Ping`` goes in the outbox's control queue: it never waits behind
+        request frames.
 
         Raises:
-            WorkerDisconnected: the watchdog deadline (pushed by every pong) passed.
+            WorkerDisconnected: the watchdog deadline (pushed by every frame
+                received) passed.
         """
         settings = self.settings
         conn.watchdog.deadline = trio.current_time() + settings.heartbeat_timeout_s
@@ -545,28 +579,45 @@ class NativeBackend:
             while True:
                 conn.nonce += 1
                 conn.pings[conn.nonce] = trio.current_time()
-                await self._send_whole(conn, Ping(conn.nonce))
+                conn.outbox.put_control(self._encode(Ping(conn.nonce)))
                 await trio.sleep(settings.heartbeat_interval_s)
-        raise WorkerDisconnected(f"no pong for {settings.heartbeat_timeout_s} s")
+        raise WorkerDisconnected(
+            f"no pong for {settings.heartbeat_timeout_s} s and no other frame either"
+        )
 
-    async def _send_whole(self, conn: _Connection, message: Message) -> None:
-        """Write one frame on ``conn``; a write interrupted part-way closes the connection.
+    async def _write_loop(self, conn: _Connection) -> None:
+        """Write everything queued in the outbox, one ``send_all`` per batch (the only writer).
 
         Raises:
-            WorkerDisconnected: the connection is lost.
-            LocalProtocolError: the message cannot be encoded (nothing was written).
+            WorkerDisconnected: the stream broke, or one write took longer than
+                ``write_timeout_s`` (the connection is then given up: a partial
+                frame cannot be taken back).
         """
-        try:
-            await conn.framed.send(message)
-        except LocalProtocolError:
-            raise
-        except ConnectionLost as exc:
-            raise WorkerDisconnected(f"worker {self.worker_id}: {exc}") from exc
-        except BaseException:
-            # Cancelled: bytes already written cannot be taken back, and a
-            # partial frame would garble every request behind it.
-            conn.close(f"writing {message.TAG!r} was interrupted")
-            raise
+        outbox = conn.outbox
+        timeout = self.settings.write_timeout_s
+        while True:
+            await outbox.wait_for_work()
+            batch, count = outbox.take()
+            with trio.move_on_after(timeout) as scope:
+                try:
+                    await conn.framed.send_encoded(batch, count)
+                except ConnectionLost as exc:
+                    raise WorkerDisconnected(f"worker {self.worker_id}: {exc}") from exc
+            if scope.cancelled_caught:
+                raise WorkerDisconnected(
+                    f"writing {count} frames ({len(batch)} bytes) to worker {self.worker_id} "
+                    f"took over {timeout} s"
+                )
+            self._writes += 1
+            self._frames_written += count
+
+    def _encode(self, message: Message) -> bytes:
+        """One frame, under the connection's frame limit.
+
+        Raises:
+            LocalProtocolError: the message is invalid or too large.
+        """
+        return encode(message, max_frame_bytes=self.settings.max_frame_bytes)
 
     # ------------------------------------------------------------ requests
 
@@ -581,7 +632,8 @@ class NativeBackend:
 
         Cancellation: the worker is told to abort, and ``Aborted`` awaited,
         shielded and bounded by ``abort_timeout_s``.
-        Backpressure: writing the request waits while the worker is not reading.
+        Backpressure: queueing the request waits while the connection's write
+        queue is full (see the module docstring).
         Resource handling: the request is unregistered on every path.
         """
         pending = await self._submit(request, _STAGE_REPLIES)
@@ -639,7 +691,12 @@ class NativeBackend:
         return reply.found
 
     async def _submit(self, message: _Outgoing, expects: tuple[type[_Reply], ...]) -> _Pending:
-        """Register ``message`` and write it; see ``run_stage`` for what it raises."""
+        """Register ``message`` and queue it for the writer; see ``run_stage`` for what it raises.
+
+        Waits, cancellably, while the write queue is full; a caller cancelled
+        there has queued nothing.  A failed write fails the request through
+        the connection (its next receive raises ``WorkerDisconnected``).
+        """
         conn = self._conn
         if conn is None:
             raise WorkerDisconnected(f"worker {self.worker_id} at {self.address} is not connected")
@@ -656,6 +713,7 @@ class NativeBackend:
             raise LocalProtocolError(
                 f"request {message.request_id!r} is already in flight on worker {self.worker_id}"
             )
+        frame = self._encode(message)
         pending = _Pending(
             message,
             conn,
@@ -664,20 +722,19 @@ class NativeBackend:
             capacity=self.settings.request_buffer,
         )
         self._pending[pending.request_id] = pending
+        outbox = conn.outbox
         try:
-            # Shielded: a frame is written whole, even for a caller cancelled
-            # meanwhile (it then aborts the request in its cleanup).
-            with trio.move_on_after(self.settings.write_timeout_s, shield=True) as scope:
-                await self._send_whole(conn, message)
+            await outbox.wait_for_room(len(frame))
         except BaseException:
             self._unregister(pending)
             raise
-        if scope.cancelled_caught:
+        if outbox.closed:
             self._unregister(pending)
-            raise WorkerDisconnected(
-                f"writing {message.TAG} {message.request_id!r} to worker {self.worker_id} "
-                f"took over {self.settings.write_timeout_s} s"
+            raise pending.failure or WorkerDisconnected(
+                f"connection to worker {self.worker_id} at {self.address} lost: "
+                f"{conn.reason or 'connection closed'}"
             )
+        pending.number = outbox.put_data(frame)
         pending.sent = True
         return pending
 
@@ -709,12 +766,12 @@ class NativeBackend:
         if not pending.abort_sent:
             pending.abort_sent = True
             self._aborts_sent += 1
-            try:
-                await self._send_whole(pending.connection, Abort(pending.request_id))
-            except WorkerDisconnected as exc:
+            outbox = pending.connection.outbox
+            if outbox.closed:
                 # The worker aborts every request of a lost connection itself.
-                logger.debug("abort of %r not sent: %s", pending.request_id, exc)
+                logger.debug("abort of %r not sent: the connection is gone", pending.request_id)
                 return
+            outbox.put_after(pending.number, self._encode(Abort(pending.request_id)))
         await pending.settled.wait()
 
     def _unregister(self, pending: _Pending) -> None:

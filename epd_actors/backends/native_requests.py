@@ -1,9 +1,10 @@
 """What a :class:`~.native.NativeBackend` multiplexes: the connection, each request, each stream.
 
-``_Connection`` is one welcomed connection; ``_Pending`` is one registered
-request with its bounded reply channel; :class:`NativeDeltaStream` is what a
-caller of ``open_stream`` reads.  The backend (see :mod:`.native`) routes
-replies into them and owns their lifecycle.
+``_Connection`` is one welcomed connection; ``_Outbox`` holds the frames
+waiting for its writer; ``_Pending`` is one registered request with its
+bounded reply channel; :class:`NativeDeltaStream` is what a caller of
+``open_stream`` reads.  The backend (see :mod:`.native`) routes replies into
+them and owns their lifecycle.
 """
 
 from __future__ import annotations
@@ -38,14 +39,150 @@ _STREAM_REPLIES = (Delta, ErrorReply)
 _RELEASE_REPLIES = (Released, ErrorReply)
 
 
+class _Outbox:
+    """Encoded frames waiting for a connection's writer task.
+
+    Two queues: *control* frames (``Ping``, ``Abort``) and *data* frames (the
+    requests).  The writer takes both whole -- control first -- and writes them
+    with one ``send_all``, so a burst of submissions costs a few writes, not one
+    each.  The data queue is bounded by ``max_frames`` and ``max_bytes``
+    (a frame is always admitted into an empty queue); a submitter that finds it
+    full parks in :meth:`wait_for_room` until the writer has taken the queue.
+    The control queue is not bounded by those limits, so a ``Ping`` or an
+    ``Abort`` never waits behind requests: it holds at most one ``Abort`` per
+    registered request and one ``Ping`` per heartbeat interval until the
+    heartbeat deadline ends a stuck connection.
+
+    Data frames are numbered in queue order; :meth:`still_queued` tells
+    whether a frame has not been taken by the writer yet (an ``Abort`` for
+    such a request is queued behind it, in the data queue, to keep the order).
+    """
+
+    __slots__ = (
+        "_space",
+        "_work",
+        "closed",
+        "control",
+        "data",
+        "data_bytes",
+        "data_queued",
+        "data_taken",
+        "max_bytes",
+        "max_frames",
+    )
+
+    def __init__(self, *, max_frames: int, max_bytes: int) -> None:
+        self.max_frames = max_frames
+        self.max_bytes = max_bytes
+        self.control: list[bytes] = []
+        self.data: list[bytes] = []
+        self.data_bytes = 0
+        self.data_queued = 0  # data frames ever queued: the next frame's number
+        self.data_taken = 0  # data frames the writer has taken
+        self.closed = False
+        self._work = trio.lowlevel.ParkingLot()  # the writer, while nothing is queued
+        self._space = trio.lowlevel.ParkingLot()  # submitters, while the data queue is full
+
+    def has_room(self, size: int) -> bool:
+        """Whether a data frame of ``size`` bytes may be queued now."""
+        data = self.data
+        return not data or (
+            len(data) < self.max_frames and self.data_bytes + size <= self.max_bytes
+        )
+
+    async def wait_for_room(self, size: int) -> None:
+        """Return once a data frame of ``size`` bytes may be queued, or the outbox is closed.
+
+        A submitter does not pass others already waiting for room.  Not a
+        checkpoint when there is room: the caller queues its frame in the same
+        step, so the bound holds without a second check.
+
+        Cancellation: safe; nothing was queued.
+        """
+        if self.closed or (self.has_room(size) and not self._space.statistics().tasks_waiting):
+            return
+        while True:
+            await self._space.park()
+            if self.closed or self.has_room(size):
+                return
+
+    def put_data(self, frame: bytes) -> int:
+        """Queue a data frame (the caller checked for room); return its number."""
+        if not self.control and not self.data:
+            self._work.unpark()
+        self.data.append(frame)
+        self.data_bytes += len(frame)
+        number = self.data_queued
+        self.data_queued += 1
+        return number
+
+    def put_control(self, frame: bytes) -> None:
+        """Queue a control frame; it goes out with the writer's next batch."""
+        if not self.control and not self.data:
+            self._work.unpark()
+        self.control.append(frame)
+
+    def put_after(self, number: int, frame: bytes) -> None:
+        """Queue a control frame that must follow data frame ``number`` on the wire."""
+        if self.still_queued(number):
+            self.put_data(frame)  # behind it; not counted against the bound's waiters
+        else:
+            self.put_control(frame)
+
+    def still_queued(self, number: int) -> bool:
+        """Whether data frame ``number`` has not been taken by the writer yet."""
+        return number >= self.data_taken
+
+    async def wait_for_work(self) -> None:
+        """Return once a frame is queued (the writer's wait).
+
+        Cancellation: safe.
+        """
+        while not self.control and not self.data:
+            await self._work.park()
+
+    def take(self) -> tuple[bytes, int]:
+        """Take every queued frame, control first: the bytes to write and the frame count."""
+        frames = self.control + self.data if self.control else self.data
+        count = len(frames)
+        batch = b"".join(frames)
+        self.control = []
+        self.data = []
+        self.data_bytes = 0
+        self.data_taken = self.data_queued
+        self._space.unpark_all()
+        return batch, count
+
+    def close(self) -> None:
+        """Drop what is queued and wake every waiting submitter (the connection ended)."""
+        self.closed = True
+        self.control = []
+        self.data = []
+        self.data_bytes = 0
+        self._space.unpark_all()
+
+
 class _Connection:
-    """One welcomed connection: its stream, its task scope and its heartbeat state."""
+    """One welcomed connection: its stream, its outbox, its task scope and heartbeat state."""
 
-    __slots__ = ("framed", "nonce", "nursery", "pings", "reason", "scope", "watchdog", "welcome")
+    __slots__ = (
+        "framed",
+        "nonce",
+        "nursery",
+        "outbox",
+        "pings",
+        "reason",
+        "scope",
+        "watchdog",
+        "welcome",
+    )
 
-    def __init__(self, framed: FramedStream, welcome: Welcome) -> None:
+    def __init__(
+        self, framed: FramedStream, welcome: Welcome, *, max_frames: int, max_bytes: int
+    ) -> None:
         self.framed = framed
         self.welcome = welcome
+        self.outbox = _Outbox(max_frames=max_frames, max_bytes=max_bytes)
         self.scope = trio.CancelScope()
         self.watchdog = trio.CancelScope()
         self.nursery: trio.Nursery | None = None
@@ -58,6 +195,7 @@ class _Connection:
         if self.reason is None:
             self.reason = reason
         self.scope.cancel(reason=reason)
+        self.outbox.close()
 
 
 class _Pending:
@@ -76,6 +214,7 @@ class _Pending:
         "connection",
         "expects",
         "failure",
+        "number",
         "receive_channel",
         "request_id",
         "send_channel",
@@ -104,7 +243,8 @@ class _Pending:
         self.accepting = True
         self.failure: WorkerError | None = None
         self.settled = trio.Event()
-        self.sent = False
+        self.sent = False  # the request frame is queued or written
+        self.number = -1  # the request frame's number in the connection's outbox
         self.abort_sent = False
 
     def stop_accepting(self) -> None:

@@ -22,6 +22,7 @@ _DURATIONS = (
     "abort_timeout_s",
     "write_timeout_s",
 )
+_COUNTS = ("request_buffer", "write_queue_frames", "write_queue_bytes", "max_frame_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +46,15 @@ class NativeSettings:
             consumer this far behind is stuck or broken, not slow: it fails with
             ``StreamOverrun`` rather than stall the connection's only reader.
         abort_timeout_s: how long cleanup waits for ``Aborted`` (seconds).
-        write_timeout_s: how long writing one frame may take before the
-            connection is given up as stuck (seconds).
+        write_timeout_s: how long the connection's writer may take to write one
+            batch of frames (one ``send_all``) before the connection is given up
+            as stuck (seconds).  Time a frame spends queued does not count.
+        write_queue_frames: request frames queued for the connection's writer
+            at most (frames); a request that finds the queue full waits, under
+            its own deadline, until the writer takes the queue.  ``Ping`` and
+            ``Abort`` frames are not counted and never wait.
+        write_queue_bytes: bytes of request frames queued at most (bytes); a
+            frame larger than this is still queued when the queue is empty.
         max_frame_bytes: frame limit in both directions (bytes).
     """
 
@@ -60,6 +68,8 @@ class NativeSettings:
     request_buffer: int = 256
     abort_timeout_s: float = 2.0
     write_timeout_s: float = 10.0
+    write_queue_frames: int = 1024
+    write_queue_bytes: int = 8 * 1024 * 1024
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 
     def __post_init__(self) -> None:
@@ -73,7 +83,7 @@ class NativeSettings:
             raise ConfigError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
         if not 0.0 <= self.reconnect_jitter <= 1.0:
             raise ConfigError(f"reconnect_jitter must be in [0, 1], got {self.reconnect_jitter!r}")
-        for name in ("request_buffer", "max_frame_bytes"):
+        for name in _COUNTS:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -93,7 +103,10 @@ class NativeBackendStatistics:
         handshake_rejections: attempts the worker refused.
         disconnects: welcomed connections that ended.
         overruns: requests failed with ``StreamOverrun``.
-        aborts_sent: ``Abort`` frames written (or being written).
+        aborts_sent: ``Abort`` frames queued or written.
+        writes: ``send_all`` calls of the connection writers (each writes every
+            frame queued at the time).
+        frames_written: frames those writes carried.
         last_rtt_s: round trip of the latest answered ``Ping``.
         role, model: from the latest ``Welcome``.
     """
@@ -111,3 +124,5 @@ class NativeBackendStatistics:
     last_rtt_s: float | None
     role: str | None
     model: str | None
+    writes: int = 0
+    frames_written: int = 0
