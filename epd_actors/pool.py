@@ -197,6 +197,15 @@ class WorkerPool:
             )
         return out
 
+    def has_usable(self) -> bool:
+        """Whether any member is usable now (busy or not); no side effects."""
+        now = trio.current_time()
+        return any(member.usable(now) for member in self._members.values())
+
+    def refusal(self) -> NoHealthyWorker:
+        """The error for a request this pool cannot serve because no member is usable."""
+        return NoHealthyWorker(f"no healthy {self.stage} worker", retry_after=1.0)
+
     def try_lease(self, key: RouteKey, *, exclude: Iterable[str] = ()) -> Lease | None:
         """Pick a member now, or return None if every usable one is full.
 
@@ -209,7 +218,7 @@ class WorkerPool:
             m for m in self._members.values() if m.worker_id not in excluded and m.usable(now)
         ]
         if not usable:
-            raise NoHealthyWorker(f"no healthy {self.stage} worker", retry_after=1.0)
+            raise self.refusal()
         limit = self.max_in_flight_per_worker
         open_members = {m.worker_id: m for m in usable if m.in_flight < limit}
         if not open_members:

@@ -11,7 +11,10 @@ so only the jobs the actor held fail (with ``ActorCrashed``).
 the configured actors, in their class ``order``, whose ``applies_to`` accepts
 the request (a text-only request skips encode).  Exactly one configured stage
 produces the output, and every stage's ``requires`` must be configured; this is
-checked once, at start-up.  Nothing here branches on a stage's name.
+checked once, at start-up.  Nothing here branches on a stage's name.  A plan
+with a stage whose pool has no usable worker (none connected and ready, or
+every breaker open) fails at once with that pool's ``NoHealthyWorker``,
+before any stage runs; workers that are merely busy do not count.
 
 *Pipelines.*  :meth:`Supervisor.generate` runs one request in a task of its own
 under one cancel scope with the request's deadline.  For each stage in the
@@ -410,6 +413,12 @@ class Supervisor:
         self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
     ) -> DoneEvent:
         plan = self.plan(record.request)
+        # Fail fast: a stage whose pool has no usable worker would fail the
+        # request anyway, after the stages before it did their work for nothing
+        # (and left a prefilled KV handle to release).  Busy workers are usable.
+        for actor in plan:
+            if not actor.pool.has_usable():
+                raise actor.pool.refusal()
         record.lifecycle.advance(Phase.PLANNED)
         context = StageContext(record.request, worker_request_id(record.request.request_id))
         for actor in plan:

@@ -381,6 +381,43 @@ async def test_no_connected_worker_is_refused_at_once() -> None:
     assert_no_leaks(fleet)
 
 
+@pytest.mark.parametrize("down", ["encode-0", "prefill-0", "decode-0"])
+async def test_a_stage_without_a_usable_worker_fails_before_any_stage_runs(down: str) -> None:
+    fleet = build_sim_fleet(EPD)
+    fleet.backends[down].disconnect()
+    supervisor, events = await run_one(fleet, chat(image("a")))
+    failed = final(events)
+    assert isinstance(failed, ErrorEvent)
+    assert isinstance(failed.error, NoHealthyWorker)
+    assert failed.error.retry_after == 1.0
+    assert str(failed.error) == f"no healthy {down.split('-')[0]} worker"
+    assert (fleet.total("encode_requests"), fleet.total("prefill_requests")) == (0, 0)
+    assert fleet.total("generate_requests") == 0
+    assert supervisor.statistics().compensations_run == 0
+    assert_no_leaks(fleet)
+
+
+async def test_busy_workers_still_take_requests(autojump_clock: object) -> None:
+    """A pool at its per-worker limit is not 'no usable worker': requests wait for a slot."""
+    fleet = build_sim_fleet({"prefill": 1, "decode": 1}, config=TIMED, max_in_flight_per_worker=1)
+    supervisor = Supervisor(fleet.pools)
+    outcomes: list[GenerationEvent] = []
+
+    async def one(request_id: str) -> None:
+        outcomes.append(final(await collect(supervisor, text(request_id=request_id))))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        async with trio.open_nursery() as requests:
+            for i in range(4):
+                requests.start_soon(one, f"t{i}")
+        nursery.cancel_scope.cancel()
+    assert all(isinstance(outcome, DoneEvent) for outcome in outcomes)
+    assert len(outcomes) == 4
+    assert fleet.total("generate_requests") == 4
+    assert_no_leaks(fleet)
+
+
 @pytest.mark.parametrize(
     "workers",
     [{"encode": 1}, {"prefill": 1}, {"decode": 1}, {"prefill": 1, "decode": 1, "pd": 1}],
