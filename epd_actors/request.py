@@ -64,7 +64,8 @@ class GenerationRequest:
         session_key: optional affinity key (consistent-hash routing).
         priority: ``high``, ``normal`` or ``low``: which share of the router's
             in-flight limit the request may use (see ``config.AdmissionLimits``).
-        timeout_s: whole-request deadline; ``None`` uses the configured one.
+        timeout_s: whole-request deadline (seconds); ``None`` or ``0`` uses the
+            configured one.
     """
 
     prompt: Prompt

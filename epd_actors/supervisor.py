@@ -379,7 +379,7 @@ class Supervisor:
     ) -> DoneEvent | ErrorEvent:
         request = record.request
         timeout = request.timeout_s
-        if timeout is None:
+        if not timeout:  # None or 0: the configured deadline
             timeout = self.deadlines.request_timeout_s
         expiry = trio.CancelScope()
         self._expirable.add(expiry)

@@ -381,6 +381,19 @@ async def test_no_connected_worker_is_refused_at_once() -> None:
     assert_no_leaks(fleet)
 
 
+@pytest.mark.parametrize("timeout_s", [None, 0, 0.0])
+async def test_a_request_timeout_of_zero_uses_the_configured_one(
+    autojump_clock: object, timeout_s: float | None
+) -> None:
+    fleet = build_sim_fleet(EPD, config=TIMED)
+    request = GenerationRequest(
+        Prompt(text="a b c d"), sampling=SamplingParams(max_tokens=5), timeout_s=timeout_s
+    )
+    _, events = await run_one(fleet, request, deadlines=Deadlines(request_timeout_s=8.0))
+    assert isinstance(final(events), DoneEvent)
+    assert_no_leaks(fleet)
+
+
 @pytest.mark.parametrize("down", ["encode-0", "prefill-0", "decode-0"])
 async def test_a_stage_without_a_usable_worker_fails_before_any_stage_runs(down: str) -> None:
     fleet = build_sim_fleet(EPD)
