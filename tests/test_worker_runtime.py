@@ -32,7 +32,7 @@ from epd_actors.protocol import (
     StageResult,
     Welcome,
 )
-from epd_actors.protocol.codec import HEADER
+from epd_actors.protocol.codec import HEADER, encode
 from epd_actors.transport import FramedStream
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
 
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 TOKEN = "s3cret"
+GUARD_S = 10
 
 
 def make_server(engine: ScriptedEngine | None = None, **overrides: object) -> WorkerServer:
@@ -252,22 +253,36 @@ async def test_duplicate_request_id_is_refused() -> None:
         await client.aclose()
 
 
-async def test_full_worker_refuses_quickly_and_queues_up_to_the_limit() -> None:
+@pytest.mark.parametrize("one_write", [False, True], ids=["frame-by-frame", "one-write"])
+async def test_full_worker_refuses_quickly_and_queues_up_to_the_limit(one_write: bool) -> None:
+    """With one write, the three frames are decoded in one read, before any job task runs:
+    admission must count the first two at once, or the third is let in."""
     gate = trio.Event()
     server = make_server(ScriptedEngine(gate=gate), max_concurrency=1, max_queued=1)
-    async with trio.open_nursery() as nursery:
-        client = await welcomed(nursery, server)
-        for request_id in ("r1", "r2", "r3"):
-            await client.send(PrefillRequest(request_id, Prompt(text="x")))
-        refused = await receive(client)
-        assert isinstance(refused, ErrorReply)
-        assert (refused.request_id, refused.code, refused.retryable) == ("r3", "overloaded", True)
-        stats = server.statistics()
-        assert (stats.running, stats.queued, stats.refused_total) == (1, 1, 1)
-        gate.set()
-        done = {(await receive(client)).request_id for _ in range(2)}
-        assert done == {"r1", "r2"}
-        await client.aclose()
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            await _fill_a_worker_of_two(nursery, server, gate, one_write)
+
+
+async def _fill_a_worker_of_two(
+    nursery: trio.Nursery, server: WorkerServer, gate: trio.Event, one_write: bool
+) -> None:
+    client = await welcomed(nursery, server)
+    requests = [PrefillRequest(request_id, Prompt(text="x")) for request_id in ("r1", "r2", "r3")]
+    if one_write:
+        await client.send_encoded(b"".join(encode(request) for request in requests), 3)
+    else:
+        for request in requests:
+            await client.send(request)
+    refused = await receive(client)
+    assert isinstance(refused, ErrorReply)
+    assert (refused.request_id, refused.code, refused.retryable) == ("r3", "overloaded", True)
+    stats = server.statistics()
+    assert (stats.running, stats.queued, stats.refused_total) == (1, 1, 1)
+    gate.set()
+    done = {(await receive(client)).request_id for _ in range(2)}
+    assert done == {"r1", "r2"}
+    await client.aclose()
 
 
 # ---------------------------------------------------------------- abort, release, ping

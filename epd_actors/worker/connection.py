@@ -205,6 +205,9 @@ class _Connection:
         self.jobs[request_id] = job
         self.server._job_started()
         self._spawn(self._run_job, job, request)
+        # Counted as queued from admission, not from when its task first runs: several
+        # requests decoded from one read are admitted before any of their tasks starts.
+        self.server.queued += 1
 
     def _on_abort(self, message: Abort) -> None:
         self.server.aborts_total += 1
@@ -280,8 +283,8 @@ class _Connection:
             )
 
     async def _admitted(self, request: StageRequest) -> None:
+        """Wait for a slot (counted in ``queued`` since admission), then run."""
         server = self.server
-        server.queued += 1
         try:
             await self.server._limiter.acquire()
         finally:
