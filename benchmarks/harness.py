@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from contextlib import ExitStack
     from pathlib import Path
 
@@ -143,6 +144,23 @@ def _python() -> list[str]:
     return [sys.executable, "-m", "epd_actors"]
 
 
+def worker_argv(
+    role: str,
+    worker_id: str,
+    store: str,
+    *,
+    cores: str | None,
+    openai: bool,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The command line of one simulated worker sharing ``store`` with its peers."""
+    argv = [*taskset_prefix(cores), *_python(), "worker", "--role", role]
+    argv += ["--worker-id", worker_id, "--sim-store-dir", store]
+    if openai:
+        argv.append("--serve-openai")
+    return [*argv, *extra]
+
+
 def _env(token: str) -> dict[str, str]:
     env = dict(os.environ)
     env["EPD_AUTH_TOKEN"] = token
@@ -174,19 +192,7 @@ def start_scenario(
     endpoints = scenario.endpoints
     for index, (role, extra) in enumerate(scenario.workers):
         worker_id = f"{role}-{index}"
-        argv = [
-            *taskset_prefix(worker_cores),
-            *_python(),
-            "worker",
-            "--role",
-            role,
-            "--worker-id",
-            worker_id,
-            "--sim-store-dir",
-            store,
-            *(("--serve-openai",) if openai else ()),
-            *extra,
-        ]
+        argv = worker_argv(role, worker_id, store, cores=worker_cores, openai=openai, extra=extra)
         process = Process(argv, env=env, pattern=ANNOUNCE, cwd=scenario.source)
         stack.callback(process.stop)
         scenario.processes.append(process)

@@ -63,6 +63,7 @@ from harness import (
     median,
     run_bench,
     taskset_prefix,
+    worker_argv,
 )
 from run_router_overhead import machine
 
@@ -210,20 +211,8 @@ def start_system(
     endpoints: list[tuple[str, str, str]] = []
     for index, role in enumerate(roles):
         worker_id = f"{role}-{index}"
-        argv = [
-            *taskset_prefix(worker_cores),
-            *_python(),
-            "worker",
-            "--role",
-            role,
-            "--worker-id",
-            worker_id,
-            "--sim-store-dir",
-            store,
-            *(("--serve-openai",) if direct else ()),
-            *limits.worker_args(),
-            *sim,
-        ]
+        extra = (*limits.worker_args(), *sim)
+        argv = worker_argv(role, worker_id, store, cores=worker_cores, openai=direct, extra=extra)
         worker = LoggedProcess(
             argv, env=env, pattern=ANNOUNCE, log=workdir / f"{stem}-{worker_id}.log"
         )
