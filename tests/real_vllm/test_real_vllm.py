@@ -162,29 +162,42 @@ def test_p_d_text_model_equals_a_plain_instance(fleet: Fleet) -> None:
 
 
 def test_latency_through_the_router_versus_direct(fleet: Fleet) -> None:
-    """Recorded for docs/benchmarks.md, not asserted: medians of five requests each."""
+    """Medians of five requests per path, for docs/benchmarks.md; latencies are not asserted.
+
+    A failed request is recorded in the report with its answer rather than failing the lane
+    (six engines on two cores make single slow answers likely); every path must still
+    succeed at least once, and the correctness of each path is the other tests' job.
+    """
     text = CASES["llama-text"]
     image = CASES["magenta"]
-    direct_text = fleet.engines["td"].address
-    rows: dict[str, float] = {}
-    samples: dict[str, list[float]] = {"router P+D text": [], "router E+P+D image": []}
+    paths = {
+        "router P+D text": (fleet.routers["text"].url, text.body(fleet.model("llama"))),
+        "router E+P+D image": (fleet.routers["epd"].url, image.body(fleet.model("qwen2vl"))),
+    }
     if fleet.backend == "openai_http":
-        samples["direct text (one instance)"] = []
+        direct = (fleet.engines["td"].address, text.body(fleet.model("llama")))
+        paths["direct text (one instance)"] = direct
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    failures: list[str] = []
     for _ in range(5):
-        samples["router P+D text"].append(
-            chat(fleet.routers["text"].url, text.body(fleet.model("llama")))[1]
-        )
-        samples["router E+P+D image"].append(
-            chat(fleet.routers["epd"].url, image.body(fleet.model("qwen2vl")))[1]
-        )
-        if fleet.backend == "openai_http":
-            samples["direct text (one instance)"].append(
-                chat(direct_text, text.body(fleet.model("llama")))[1]
-            )
-    for name, values in samples.items():
-        rows[name] = round(statistics.median(values) * 1000, 1)
+        for name, (url, body) in paths.items():
+            started = time.monotonic()
+            try:
+                response = httpx.post(
+                    f"{url}/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT_S
+                )
+            except httpx.HTTPError as exc:
+                failures.append(f"{name}: {type(exc).__name__}: {exc}")
+                continue
+            if response.status_code == 200:
+                samples[name].append(time.monotonic() - started)
+            else:
+                failures.append(f"{name}: {response.status_code} {response.text[:300]}")
+    rows = {name: round(statistics.median(v) * 1000, 1) for name, v in samples.items() if v}
     fleet.report["latency_ms_p50"] = rows
-    print(f"\nreal-vllm {fleet.backend} latency (ms, p50 of 5): {json.dumps(rows)}")
+    fleet.report["latency_failures"] = failures
+    print(f"\nreal-vllm {fleet.backend} latency (ms, p50): {json.dumps(rows)}; failed: {failures}")
+    assert all(samples.values()), failures
 
 
 def test_client_disconnect_aborts_the_request_inside_vllm(fleet: Fleet) -> None:
