@@ -161,6 +161,12 @@ def worker_argv(
     return [*argv, *extra]
 
 
+def router_argv(config: Path, *, cores: str | None, wrapper: Sequence[str] = ()) -> list[str]:
+    """The command line of a router serving ``config`` on a free port (announced on stdout)."""
+    argv = [*taskset_prefix(cores), *wrapper, *_python(), "serve", "--config", str(config)]
+    return [*argv, "--http-listen", "127.0.0.1:0"]
+
+
 def _env(token: str) -> dict[str, str]:
     env = dict(os.environ)
     env["EPD_AUTH_TOKEN"] = token
@@ -207,16 +213,7 @@ def start_scenario(
         return
     config = workdir / f"{scenario.name}.toml"
     config.write_text(router_toml(endpoints, backend=scenario.kind), encoding="utf-8")
-    argv = [
-        *taskset_prefix(router_cores),
-        *router_wrapper,
-        *_python(),
-        "serve",
-        "--config",
-        str(config),
-        "--http-listen",
-        "127.0.0.1:0",
-    ]
+    argv = router_argv(config, cores=router_cores, wrapper=router_wrapper)
     router = Process(argv, env=env, pattern=ROUTER_ANNOUNCE, cwd=scenario.source)
     stack.callback(router.stop)
     scenario.router = router

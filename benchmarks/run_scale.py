@@ -61,6 +61,7 @@ from harness import (
     _python,
     cpu_seconds,
     median,
+    router_argv,
     run_bench,
     taskset_prefix,
     worker_argv,
@@ -224,15 +225,7 @@ def start_system(
         return system
     config = workdir / f"{stem}.toml"
     config.write_text(scale_toml(endpoints, limits), encoding="utf-8")
-    argv = [
-        *taskset_prefix(router_cores),
-        *_python(),
-        "serve",
-        "--config",
-        str(config),
-        "--http-listen",
-        "127.0.0.1:0",
-    ]
+    argv = router_argv(config, cores=router_cores)
     router = LoggedProcess(
         argv, env=env, pattern=ROUTER_ANNOUNCE, log=workdir / f"{stem}-router.log"
     )
