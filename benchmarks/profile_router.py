@@ -1,12 +1,14 @@
 """Where the router spends its CPU: sample it with py-spy under the standard load.
 
-Starts simulated E+P+D workers (native protocol), runs the router under
-``py-spy record --format raw`` for ``--seconds``, loads it with the bench
-(concurrency 32, 64 output tokens), and prints the functions with the most
-samples: *self* (the function was on top of the stack) and *inclusive*.
+Starts the simulated workers of one of ``run_router_overhead.py``'s router
+scenarios (``--scenario``, default ``native-epd``: E+P+D over the native
+protocol; ``http-pd`` is P+D through the ``openai_http`` backend), runs the
+router under ``py-spy record --format raw`` for ``--seconds``, loads it with the
+bench (concurrency 32, 64 output tokens), and prints the functions with the
+most samples: *self* (the function was on top of the stack) and *inclusive*.
 
     pip install py-spy
-    python benchmarks/profile_router.py --seconds 10
+    python benchmarks/profile_router.py --seconds 10 [--scenario http-pd]
 
 py-spy starts the router itself, so no ptrace permission beyond a parent's
 is needed.  The raw samples are written to ``--out`` (folded stacks).
@@ -24,7 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import FAST_SIM, Scenario, run_bench, start_scenario
+from harness import run_bench, start_scenario
+from run_router_overhead import scenarios
+
+ROUTER_SCENARIOS = ("native-pd", "native-epd", "native-e-pd", "http-pd", "http-epd")
 
 
 def main() -> int:
@@ -33,10 +38,17 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default=None, help="keep the folded stacks here")
+    parser.add_argument("--scenario", choices=ROUTER_SCENARIOS, default="native-epd")
+    parser.add_argument(
+        "--token-s",
+        type=float,
+        default=None,
+        help="pace the simulated workers: one token per delta every this many seconds "
+        "(default: the standard case, unpaced, 16 tokens per delta)",
+    )
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    workers = [("encode", FAST_SIM), ("prefill", FAST_SIM), ("decode", FAST_SIM)]
-    scenario = Scenario("profile", "router under py-spy over E+P+D", workers)
+    scenario = scenarios(args.token_s)[args.scenario]
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="epd-prof-") as tmp:
         workdir = Path(tmp)
         folded = Path(args.out) if args.out else workdir / "router.folded"
@@ -89,6 +101,8 @@ def _where(frame: str) -> str:
     location = frame.split(" (", 1)[1].rstrip(")")
     path, _, _line = location.rpartition(":")
     parts = Path(path).parts
+    if not parts:
+        return ""
     short = "/".join(parts[parts.index("epd_actors") :]) if "epd_actors" in parts else parts[-1]
     return f"({short})"
 

@@ -13,7 +13,8 @@ plots next to it.  Stops everything on exit.
     python benchmarks/run_router_overhead.py --scenarios direct,native-epd \\
         --vllm-router /path/to/vllm-router                         # add the peer router
 
-Scenarios (simulator: 0 s per output token, 16 tokens per delta):
+Scenarios (simulator: 0 s per output token, 16 tokens per delta; ``--token-s S``
+paces every worker at one token per delta every S seconds instead):
 
 * ``direct``: load straight at one simulated PD worker serving vLLM's OpenAI
   HTTP API (``worker --serve-openai``): no router at all.
@@ -71,8 +72,16 @@ from harness import (
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def scenarios() -> dict[str, Scenario]:
-    sim = FAST_SIM
+def simulator_args(token_s: float | None) -> tuple[str, ...]:
+    """The simulated workers' pacing: the standard case (unpaced, 16 tokens per delta), or
+    one token per delta every ``token_s`` seconds."""
+    if token_s is None:
+        return FAST_SIM
+    return ("--sim-output-token-s", str(token_s), "--sim-tokens-per-delta", "1")
+
+
+def scenarios(token_s: float | None = None) -> dict[str, Scenario]:
+    sim = simulator_args(token_s)
     return {
         s.name: s
         for s in (
@@ -123,6 +132,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--warmup", type=int, default=100, help="per scenario, before round 1")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--token-s",
+        type=float,
+        default=None,
+        help="pace every simulated worker: one token per delta every this many seconds "
+        "(default: the standard case, unpaced, 16 tokens per delta)",
+    )
     parser.add_argument("--standard-concurrency", type=int, default=32)
     parser.add_argument("--router-cores", default=None, help="taskset -c list for the router")
     parser.add_argument("--bench-cores", default=None, help="taskset -c list for the bench")
@@ -352,12 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so every started process is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    known = scenarios()
+    known = scenarios(args.token_s)
     chosen = [known[n] for n in args.scenarios.split(",") if n]
     if args.baseline:
         source = str(Path(args.baseline).resolve())
         for name in filter(None, args.baseline_scenarios.split(",")):
-            base = scenarios()[name]
+            base = scenarios(args.token_s)[name]
             base.name, base.source = f"{name}@base", source
             base.description += f" (from {source})"
             chosen.append(base)
@@ -414,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             "requests": args.requests,
             "requests_per_client": args.requests_per_client,
             "max_tokens": args.max_tokens,
-            "simulator": " ".join(FAST_SIM),
+            "simulator": " ".join(simulator_args(args.token_s)),
             "router_cores": args.router_cores,
             "bench_cores": args.bench_cores,
             "worker_cores": args.worker_cores,

@@ -228,14 +228,24 @@ async def test_open_loop_and_non_streaming_in_process() -> None:
 
 
 @pytest.mark.processes
-def test_one_benchmark_scenario_on_a_tiny_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("paced", "simulator"),
+    [
+        ((), "--sim-output-token-s 0 --sim-tokens-per-delta 16"),
+        (("--token-s", "0.001"), "--sim-output-token-s 0.001 --sim-tokens-per-delta 1"),
+    ],
+)
+def test_one_benchmark_scenario_on_a_tiny_load(
+    tmp_path: Path, paced: tuple[str, ...], simulator: str
+) -> None:
     script = ROOT / "benchmarks" / "run_router_overhead.py"
     argv = [sys.executable, str(script), "--name", "smoke", "--out-dir", str(tmp_path)]
-    argv += ["--scenarios", "native-pd", "--concurrency", "2", "--rounds", "1"]
+    argv += ["--scenarios", "native-pd", "--concurrency", "2", "--rounds", "1", *paced]
     argv += ["--requests", "10", "--requests-per-client", "1", "--warmup", "2", "--no-plots"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     document = json.loads((tmp_path / "smoke.json").read_text())
+    assert document["settings"]["simulator"] == simulator
     (row,) = document["medians"]
     assert row["scenario"] == "native-pd"
     assert row["errors"] == 0
