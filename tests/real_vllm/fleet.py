@@ -3,7 +3,8 @@
 Every process is started in its own session (``start_new_session``), so
 stopping it -- or killing it with SIGKILL -- reaches the whole instance: vLLM's
 API server, its engine-core process and their children.  Ports are free
-loopback ports picked at start.  Logs go to the lane's log directory and their
+loopback ports picked at start, outside the kernel's ephemeral range (see
+:func:`free_port`).  Logs go to the lane's log directory and their
 tail is quoted in every failure.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -19,22 +21,49 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import httpx
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.5
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+
+
+def _fixed_port_range() -> range:
+    """Ports the kernel never picks by itself: below (or above) its ephemeral range."""
+    try:
+        low, high = (int(n) for n in EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(10000, low) if low - 10000 >= 5000 else range(high + 1, 65536)
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
+    """A loopback port that is free now and stays free until its process binds it.
+
+    An engine binds its ports tens of seconds after start, while the other engines bind
+    ports of their own (ZMQ, gloo, UCX) and open connections; a port the kernel picked
+    (bind to port 0) could be handed to one of those in between.  So ports come from
+    outside the kernel's ephemeral range, at random, never twice in one lane.
+    """
+    candidates = _fixed_port_range()
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.choice(candidates)
+        if port in _handed_out:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
         return port
+    raise RuntimeError(f"no free loopback port in {candidates}")
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
