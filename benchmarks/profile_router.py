@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import run_bench, start_scenario
-from run_router_overhead import scenarios
+from run_router_overhead import add_token_s_argument, scenarios
 
 ROUTER_SCENARIOS = ("native-pd", "native-epd", "native-e-pd", "http-pd", "http-epd")
 
@@ -39,13 +39,7 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default=None, help="keep the folded stacks here")
     parser.add_argument("--scenario", choices=ROUTER_SCENARIOS, default="native-epd")
-    parser.add_argument(
-        "--token-s",
-        type=float,
-        default=None,
-        help="pace the simulated workers: one token per delta every this many seconds "
-        "(default: the standard case, unpaced, 16 tokens per delta)",
-    )
+    add_token_s_argument(parser)
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     scenario = scenarios(args.token_s)[args.scenario]

@@ -80,6 +80,17 @@ def simulator_args(token_s: float | None) -> tuple[str, ...]:
     return ("--sim-output-token-s", str(token_s), "--sim-tokens-per-delta", "1")
 
 
+def add_token_s_argument(parser: argparse.ArgumentParser) -> None:
+    """``--token-s``, the argument of :func:`simulator_args` (and of :func:`scenarios`)."""
+    parser.add_argument(
+        "--token-s",
+        type=float,
+        default=None,
+        help="pace every simulated worker: one token per delta every this many seconds "
+        "(default: the standard case, unpaced, 16 tokens per delta)",
+    )
+
+
 def scenarios(token_s: float | None = None) -> dict[str, Scenario]:
     sim = simulator_args(token_s)
     return {
@@ -132,13 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--warmup", type=int, default=100, help="per scenario, before round 1")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument(
-        "--token-s",
-        type=float,
-        default=None,
-        help="pace every simulated worker: one token per delta every this many seconds "
-        "(default: the standard case, unpaced, 16 tokens per delta)",
-    )
+    add_token_s_argument(parser)
     parser.add_argument("--standard-concurrency", type=int, default=32)
     parser.add_argument("--router-cores", default=None, help="taskset -c list for the router")
     parser.add_argument("--bench-cores", default=None, help="taskset -c list for the bench")

@@ -66,10 +66,10 @@ from harness import (
     taskset_prefix,
     worker_argv,
 )
-from run_router_overhead import machine
+from run_router_overhead import machine, simulator_args
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PACED_SIM = ("--sim-output-token-s", "0.01")
+PACED_SIM = simulator_args(0.01)
 SIMS = {"standard": FAST_SIM, "paced": PACED_SIM}
 TOPOLOGIES = {
     "pd": ("pd",),
