@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from .cases import CASES, Answer, answer_of, assert_matches_golden
+from .cases import CASES, Answer, Case, answer_of, assert_matches_golden
 from .fleet import metric_sum
 
 if TYPE_CHECKING:
@@ -37,13 +37,15 @@ GENERATED = "vllm:generation_tokens_total"
 LONG_TOKENS = 3500
 
 
-def client(fleet: Fleet, router: str) -> openai.OpenAI:
-    return openai.OpenAI(
+def openai_chat(fleet: Fleet, router: str, case: Case, **extra: Any) -> Any:
+    """``case``, as :meth:`Case.body` builds it, through the official ``openai`` client."""
+    client = openai.OpenAI(
         base_url=fleet.routers[router].v1,
         api_key="unused",
         max_retries=0,
         timeout=CLIENT_TIMEOUT_S,
     )
+    return client.chat.completions.create(**case.body(fleet.model(case.model_kind)), **extra)
 
 
 def chat(url: str, body: dict[str, Any]) -> tuple[Answer, float]:
@@ -100,15 +102,7 @@ def test_e_p_d_image_equals_a_plain_instance_and_every_stage_ran(fleet: Fleet) -
 def test_streaming_through_the_openai_client(fleet: Fleet) -> None:
     case = CASES["blue"]
     before_entries = fleet.ec_entries()
-    stream = client(fleet, "epd").chat.completions.create(
-        model=fleet.model("qwen2vl"),
-        messages=case.messages(),  # type: ignore[arg-type]
-        max_tokens=4,
-        temperature=0,
-        logprobs=True,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    stream = openai_chat(fleet, "epd", case, stream=True, stream_options={"include_usage": True})
     text, logprobs, finish, usage, chunks = "", [], None, None, 0
     for chunk in stream:
         chunks += 1
@@ -140,13 +134,7 @@ def test_text_only_request_skips_the_encoder(fleet: Fleet) -> None:
 def test_e_pd_image_equals_a_plain_instance(fleet: Fleet) -> None:
     case = CASES["red"]
     before_entries = fleet.ec_entries()
-    completion = client(fleet, "e_pd").chat.completions.create(
-        model=fleet.model("qwen2vl"),
-        messages=case.messages(),  # type: ignore[arg-type]
-        max_tokens=4,
-        temperature=0,
-        logprobs=True,
-    )
+    completion = openai_chat(fleet, "e_pd", case)
     answer = answer_of(completion.model_dump())
     assert_matches_golden(case, answer)
     assert answer.finish_reason == "length"
