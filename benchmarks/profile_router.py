@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import run_bench, start_scenario
-from run_router_overhead import add_token_s_argument, scenarios
+from run_router_overhead import add_pacing_arguments, scenarios
 
 ROUTER_SCENARIOS = ("native-pd", "native-epd", "native-e-pd", "http-pd", "http-epd")
 
@@ -39,10 +39,10 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default=None, help="keep the folded stacks here")
     parser.add_argument("--scenario", choices=ROUTER_SCENARIOS, default="native-epd")
-    add_token_s_argument(parser)
+    add_pacing_arguments(parser)
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    scenario = scenarios(args.token_s)[args.scenario]
+    scenario = scenarios(args.token_s, step_clock=args.step_clock)[args.scenario]
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="epd-prof-") as tmp:
         workdir = Path(tmp)
         folded = Path(args.out) if args.out else workdir / "router.folded"

@@ -72,16 +72,18 @@ from harness import (
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def simulator_args(token_s: float | None) -> tuple[str, ...]:
+def simulator_args(token_s: float | None, *, step_clock: bool = False) -> tuple[str, ...]:
     """The simulated workers' pacing: the standard case (unpaced, 16 tokens per delta), or
-    one token per delta every ``token_s`` seconds."""
+    one token per delta every ``token_s`` seconds -- on each stream's own timer, or with
+    ``step_clock`` on one clock shared by every stream of a worker (its decode steps)."""
     if token_s is None:
         return FAST_SIM
-    return ("--sim-output-token-s", str(token_s), "--sim-tokens-per-delta", "1")
+    paced = ("--sim-output-token-s", str(token_s), "--sim-tokens-per-delta", "1")
+    return (*paced, "--sim-step-clock") if step_clock else paced
 
 
-def add_token_s_argument(parser: argparse.ArgumentParser) -> None:
-    """``--token-s``, the argument of :func:`simulator_args` (and of :func:`scenarios`)."""
+def add_pacing_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--token-s`` and ``--step-clock``, the arguments of :func:`simulator_args`."""
     parser.add_argument(
         "--token-s",
         type=float,
@@ -89,10 +91,16 @@ def add_token_s_argument(parser: argparse.ArgumentParser) -> None:
         help="pace every simulated worker: one token per delta every this many seconds "
         "(default: the standard case, unpaced, 16 tokens per delta)",
     )
+    parser.add_argument(
+        "--step-clock",
+        action="store_true",
+        help="with --token-s: every stream of a worker gets its token on the same tick, "
+        "as in an engine's decode step (default: each stream on its own timer)",
+    )
 
 
-def scenarios(token_s: float | None = None) -> dict[str, Scenario]:
-    sim = simulator_args(token_s)
+def scenarios(token_s: float | None = None, *, step_clock: bool = False) -> dict[str, Scenario]:
+    sim = simulator_args(token_s, step_clock=step_clock)
     return {
         s.name: s
         for s in (
@@ -143,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--warmup", type=int, default=100, help="per scenario, before round 1")
     parser.add_argument("--max-tokens", type=int, default=64)
-    add_token_s_argument(parser)
+    add_pacing_arguments(parser)
     parser.add_argument("--standard-concurrency", type=int, default=32)
     parser.add_argument("--router-cores", default=None, help="taskset -c list for the router")
     parser.add_argument("--bench-cores", default=None, help="taskset -c list for the bench")
@@ -373,12 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so every started process is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    known = scenarios(args.token_s)
+    known = scenarios(args.token_s, step_clock=args.step_clock)
     chosen = [known[n] for n in args.scenarios.split(",") if n]
     if args.baseline:
         source = str(Path(args.baseline).resolve())
         for name in filter(None, args.baseline_scenarios.split(",")):
-            base = scenarios(args.token_s)[name]
+            base = scenarios(args.token_s, step_clock=args.step_clock)[name]
             base.name, base.source = f"{name}@base", source
             base.description += f" (from {source})"
             chosen.append(base)
@@ -435,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             "requests": args.requests,
             "requests_per_client": args.requests_per_client,
             "max_tokens": args.max_tokens,
-            "simulator": " ".join(simulator_args(args.token_s)),
+            "simulator": " ".join(simulator_args(args.token_s, step_clock=args.step_clock)),
             "router_cores": args.router_cores,
             "bench_cores": args.bench_cores,
             "worker_cores": args.worker_cores,

@@ -682,6 +682,32 @@ async def test_unpaced_output_comes_in_chunks_at_one_instant(
     assert {t for t, _ in deltas} == {2 * 0.125 + 0.5}
 
 
+async def test_step_clock_gives_every_stream_its_tokens_on_the_same_ticks(
+    memory: SimStores, autojump_clock: trio.testing.MockClock
+) -> None:
+    config = replace(CONFIG, first_token_s=0.0, step_clock=True, ec_mode="recompute")
+    pd = engine(Role.PD, config=config, stores=memory)
+    times: dict[str, list[float]] = {}
+
+    async def stream(request_id: str, start: float) -> None:
+        await trio.sleep(start)
+        request = GenerateRequest(request_id, Prompt(text="a"), (), sampling(max_tokens=3))
+        times[request_id] = [t for t, _ in await generate(pd, request)]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream, "early", 0.0)
+        nursery.start_soon(stream, "late", 0.25 + 0.03125)  # mid-tick
+    prefill = 0.125  # one prompt token
+    assert times["early"] == [prefill, 0.1875, 0.25]  # ticks every 0.0625 s
+    assert times["late"] == [0.28125 + prefill, 0.4375, 0.5]  # the same clock's ticks
+    unpaced = replace(config, output_token_s=0.0, tokens_per_delta=1)
+    deltas = await generate(
+        engine(Role.PD, config=unpaced, stores=memory),
+        GenerateRequest("r", Prompt(text="a"), (), sampling(max_tokens=2)),
+    )
+    assert [t for t, _ in deltas] == [0.5 + prefill] * 2  # no clock without pacing
+
+
 async def test_encode_cost_grows_with_media_size(
     memory: SimStores, autojump_clock: trio.testing.MockClock
 ) -> None:

@@ -172,6 +172,20 @@ async def _pause(seconds: float) -> None:
         await trio.lowlevel.checkpoint()
 
 
+async def _next_step(step_s: float) -> None:
+    """Sleep until the next tick of a clock ticking every ``step_s`` seconds since time 0.
+
+    Every stream waiting for the same tick wakes in the same scheduling batch, as
+    the sequences of one decode step of a continuous-batching engine do (vLLM
+    emits one step's outputs for all running requests together).  ``step_s`` 0
+    or infinite falls back to :func:`_pause`.
+    """
+    if step_s <= 0 or math.isinf(step_s):
+        await _pause(step_s)
+        return
+    await trio.sleep_until((math.floor(trio.current_time() / step_s) + 1) * step_s)
+
+
 _RUN_TOKEN: trio.lowlevel.RunVar[str] = trio.lowlevel.RunVar("epd_sim_run_token")
 
 
@@ -647,7 +661,10 @@ class SimEngine:
                 )
                 return
             await emit(delta)
-            await _pause(config.output_token_s)
+            if config.step_clock:
+                await _next_step(config.output_token_s)
+            else:
+                await _pause(config.output_token_s)
 
 
 if TYPE_CHECKING:

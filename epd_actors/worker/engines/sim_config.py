@@ -133,6 +133,15 @@ class SimConfig:
         0.001, _secs("time per output token after the first, seconds; 0 = unpaced")
     )
     tokens_per_delta: int = _knob(16, _ints("tokens per delta when output_token_s is 0", 1))
+    step_clock: bool = _knob(
+        False,
+        KnobSpec(
+            "paced tokens of every stream come out together, on one clock ticking every "
+            "output_token_s (an engine's decode steps), not on each stream's own timer",
+            None,
+            _boolean,
+        ),
+    )
     media_tokens_per_item: int = _knob(256, _ints("prompt tokens each media item adds", 0))
     ec_mode: str = _knob(
         "strict",
