@@ -99,8 +99,14 @@ def add_pacing_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Engine slots for every stream of the largest concurrency run here.  A native
+# worker runs 64 requests at once by default and queues the rest, which would cap
+# the native scenarios below the direct baseline (the worker's HTTP API has no cap).
+WORKER_SLOTS = ("--max-concurrency", "1024")
+
+
 def scenarios(token_s: float | None = None, *, step_clock: bool = False) -> dict[str, Scenario]:
-    sim = simulator_args(token_s, step_clock=step_clock)
+    sim = (*simulator_args(token_s, step_clock=step_clock), *WORKER_SLOTS)
     return {
         s.name: s
         for s in (

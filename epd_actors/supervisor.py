@@ -19,10 +19,12 @@ before any stage runs; workers that are merely busy do not count.
 *Pipelines.*  :meth:`Supervisor.generate` runs one request in a task of its own
 under one cancel scope with the request's deadline.  For each stage in the
 plan it submits one job per item the actor splits the context into (fan-out
-runs concurrently), folds each job's ``StageOutput`` into the context, and
-relays the output stage's deltas to the caller, under the first-token and
-inter-token timeouts.  Every request ends with exactly one final event:
-``DoneEvent`` (after a ``UsageEvent``) or ``ErrorEvent``.
+runs concurrently) and folds each job's ``StageOutput`` into the context.  The
+output stage's job puts its deltas on the caller's event channel itself,
+through an :class:`~.output_relay.OutputRelay`, under the first-token and
+inter-token timeouts the supervisor keeps on the relay's behalf.  Every
+request ends with exactly one final event: ``DoneEvent`` (after a
+``UsageEvent``) or ``ErrorEvent``.
 
 *Cancellation.*  The caller leaving, the deadline, or router shutdown cancels
 the pipeline; every job still running is cancelled, and each backend aborts
@@ -54,9 +56,9 @@ from .errors import (
 )
 from .lifecycle import Lifecycle, Phase
 from .limits import REQUEST_EVENT_BUFFER
+from .output_relay import OutputRelay
 from .protocol import Delta, Usage
 from .request import (
-    DeltaEvent,
     DoneEvent,
     ErrorEvent,
     GenerationEvent,
@@ -480,23 +482,25 @@ class Supervisor:
         workers: list[str],
         waits: list[float],
     ) -> None:
-        async with actor.submit(context, item) as (job, replies):
-            first = True
+        relay = OutputRelay(events, record, self.deadlines.inter_token_timeout_s)
+        output = relay if actor.produces_output else None
+        async with actor.submit(context, item, output=output) as (job, replies):
             while True:
                 try:
-                    event = await self._next_event(actor, replies, first=first)
+                    event = await self._next_event(actor, replies, relay)
                 except StageTimeout:
                     job.timed_out = True  # the worker's breaker counts it (read on release)
                     raise
-                first = False
                 # Then every event already queued behind it, without waiting.
                 while True:
                     if event is None:
+                        if relay.caller_left:
+                            raise trio.BrokenResourceError("the caller closed its event channel")
                         raise ActorCrashed(
                             f"{actor.stage} actor ended request {record.request.request_id}'s "
                             "job without an answer"
                         )
-                    if await self._absorb(event, context, record, events):
+                    if await self._absorb(event, context, record, relay):
                         record.compensations.extend(job.hand_over())
                         if job.started_at is not None:
                             waits.append(job.started_at - job.enqueued_at)
@@ -514,45 +518,46 @@ class Supervisor:
         self,
         actor: BaseActor,
         replies: trio.MemoryReceiveChannel[StageEvent],
-        *,
-        first: bool,
+        relay: OutputRelay,
     ) -> StageEvent | None:
+        """The job's next event, for an output stage within its token deadlines.
+
+        The deltas bypass this task, so the deadline comes from the relay
+        (:meth:`OutputRelay.deadline`): when it passes, the relay is asked
+        again, and the wait goes on if a delta came meanwhile.
+        """
         if not actor.produces_output:
             try:
                 return await replies.receive()
             except trio.EndOfChannel:
                 return None
         deadlines = self.deadlines
+        first_token_deadline = trio.current_time() + deadlines.first_token_timeout_s
+        while True:
+            deadline = relay.deadline(first_token_deadline)
+            if deadline <= trio.current_time():
+                break
+            with trio.move_on_at(deadline) as relay.watch:
+                try:
+                    return await replies.receive()
+                except trio.EndOfChannel:
+                    return None
+                finally:
+                    relay.watch = None
         timeout, phase = (
-            (deadlines.first_token_timeout_s, "first_token")
-            if first
-            else (deadlines.inter_token_timeout_s, "inter_token")
+            (deadlines.inter_token_timeout_s, "inter token")
+            if relay.relayed
+            else (deadlines.first_token_timeout_s, "first token")
         )
-        with trio.move_on_after(timeout):
-            try:
-                return await replies.receive()
-            except trio.EndOfChannel:
-                return None
-        raise StageTimeout(f"no {phase.replace('_', ' ')} within {timeout:g}s", phase=phase)
+        raise StageTimeout(f"no {phase} within {timeout:g}s", phase=phase.replace(" ", "_"))
 
     async def _absorb(
-        self,
-        event: StageEvent,
-        context: StageContext,
-        record: _RequestRecord,
-        events: trio.MemorySendChannel[GenerationEvent],
+        self, event: StageEvent, context: StageContext, record: _RequestRecord, relay: OutputRelay
     ) -> bool:
         """Apply one stage event; True when it was the job's final event."""
         if isinstance(event, Delta):
-            if event.token_ids or event.text:
-                if record.first_token_at is None:
-                    record.first_token_at = trio.current_time()
-                record.completion_tokens += len(event.token_ids)
-                relayed = DeltaEvent(event.text, event.token_ids, event.logprobs)
-                try:
-                    events.send_nowait(relayed)  # the caller takes a burst in one wake-up
-                except trio.WouldBlock:
-                    await events.send(relayed)
+            if not relay.offer(event):  # the caller takes a burst in one wake-up
+                await relay.put(event)
             if event.finish_reason is None:
                 return False
             record.finish_reason = event.finish_reason

@@ -134,6 +134,22 @@ class FramedStream:
                 raise ConnectionLost(f"connection to {self.peer} lost: {exc}") from exc
             decoder.feed(data)
 
+    def receive_nowait(self) -> Message:
+        """The next message if a whole one is already buffered; no I/O, not a checkpoint.
+
+        Lets a reader handle every frame of one read in one go.
+
+        Raises:
+            trio.WouldBlock: no whole message is buffered (at the end of the
+                stream too: :meth:`receive` then reports it).
+            RemoteProtocolError: as :meth:`receive`.
+        """
+        message = self._decoder.next_message()
+        if message is None:
+            raise trio.WouldBlock
+        self.frames_received += 1
+        return message
+
     async def aclose(self) -> None:
         """Close the underlying stream (forcefully if cancelled)."""
         await trio.aclose_forcefully(self._stream)

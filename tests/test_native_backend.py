@@ -923,3 +923,23 @@ async def test_a_worker_streaming_data_is_alive_though_its_pongs_are_late(
         stats = backend.statistics()
         assert (stats.disconnects, stats.last_rtt_s) == (0, 5.0)
         assert len(link.attempts) == 1
+
+
+# ---------------------------------------------------------------- the framed stream
+
+
+async def test_receive_nowait_hands_out_the_frames_of_one_read() -> None:
+    left, right = trio.testing.memory_stream_pair()
+    sender, receiver = FramedStream(left), FramedStream(right)
+    with pytest.raises(trio.WouldBlock):
+        receiver.receive_nowait()  # nothing read yet; no I/O is attempted
+    await sender.send_many([Ping(1), Ping(2), Ping(3)])
+    assert await receiver.receive() == Ping(1)
+    assert [receiver.receive_nowait(), receiver.receive_nowait()] == [Ping(2), Ping(3)]
+    with pytest.raises(trio.WouldBlock):
+        receiver.receive_nowait()
+    assert receiver.frames_received == 3
+    await sender.aclose()
+    with pytest.raises(trio.WouldBlock):
+        receiver.receive_nowait()  # the end of the stream is for receive() to report
+    assert await receiver.receive() is None

@@ -23,6 +23,7 @@ from epd_actors.errors import (
     WorkerDisconnected,
 )
 from epd_actors.lifecycle import Phase
+from epd_actors.limits import REQUEST_EVENT_BUFFER
 from epd_actors.protocol import ChatMessage, MediaItem, Prompt, SamplingParams
 from epd_actors.request import (
     DeltaEvent,
@@ -340,6 +341,50 @@ async def test_token_timeouts(
     assert isinstance(failed.error, StageTimeout)
     assert failed.error.phase == phase
     assert fleet.total("aborts", "decode") == 1
+    assert_no_leaks(fleet)
+
+
+async def test_the_inter_token_timeout_counts_from_the_last_delta(
+    autojump_clock: object,
+) -> None:
+    """The deltas bypass the supervisor's task; their relay still moves its deadline."""
+    fleet = build_sim_fleet(EPD, config=TIMED)
+    knobs = {**_timed_knobs(), "output_token_s": 0.25, "stall_after_tokens": 6}
+    fleet.engines["decode-0"].config = sim_config(**knobs)
+    supervisor = Supervisor(fleet.pools, deadlines=Deadlines(inter_token_timeout_s=0.5))
+    seen: list[tuple[float, GenerationEvent]] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        async with supervisor.generate(text(max_tokens=8)) as events:
+            seen.extend([(trio.current_time(), event) async for event in events])
+        nursery.cancel_scope.cancel()
+    times = [t for t, e in seen if isinstance(e, DeltaEvent)]
+    assert len(times) == 6  # 1.25 s of tokens: the 0.5 s timeout never counted from the start
+    failed = seen[-1][1]
+    assert isinstance(failed, ErrorEvent)
+    assert isinstance(failed.error, StageTimeout)
+    assert failed.error.phase == "inter_token"
+    assert seen[-1][0] - times[-1] == pytest.approx(0.5)
+    assert_no_leaks(fleet)
+
+
+async def test_a_slow_reader_is_not_an_inter_token_timeout(autojump_clock: object) -> None:
+    """While the caller's event buffer is full the worker is not the one stalling."""
+    fleet = build_sim_fleet(EPD, config=TIMED)
+    supervisor = Supervisor(fleet.pools, deadlines=Deadlines(inter_token_timeout_s=0.5))
+    tokens = REQUEST_EVENT_BUFFER + 8
+    received: list[GenerationEvent] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        async with supervisor.generate(text(max_tokens=tokens)) as events:
+            await trio.sleep(2.0)  # the buffer fills and the decode job waits
+            async for event in events:
+                received.append(event)
+                await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    done = final(received)
+    assert isinstance(done, DoneEvent)
+    assert sum(len(e.token_ids) for e in received if isinstance(e, DeltaEvent)) == tokens
     assert_no_leaks(fleet)
 
 

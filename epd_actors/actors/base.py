@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
     from ..backends.base import StageBackend
     from ..lifecycle import Phase
+    from ..output_relay import OutputRelay
     from ..pool import WorkerPool
     from ..protocol import Delta, GenerateRequest
     from ..request import GenerationRequest
@@ -159,16 +160,19 @@ class BaseActor:
     ) -> None:
         """Relay a generate request's deltas to the job's requester.
 
-        A burst of deltas that already arrived is passed on without a
-        scheduling round per delta, when the stream offers ``receive_nowait``
-        (the native one does): each is put in the reply buffer at once while it
-        has room, and the requester, woken once, takes them all.
+        Non-final deltas go to ``job.output`` when the requester gave one (the
+        supervisor does: they reach the caller without waking the requester),
+        else on ``job.reply``; the final delta always goes on ``job.reply``.  A
+        burst of deltas that already arrived is passed on without a scheduling
+        round per delta, when the stream offers ``receive_nowait`` (the native
+        one does).
 
-        Backpressure: waits while the requester's reply buffer is full.
+        Backpressure: waits while the requester's buffer (the reply channel,
+        or the caller's event channel behind ``job.output``) is full.
         Cancellation: a requester that left ends the relay; the backend then
         aborts the request on its worker.
         """
-        reply = job.reply
+        reply, output = job.reply, job.output
         async with backend.open_stream(request) as stream:
             receive_nowait: Callable[[], Delta] | None = getattr(stream, "receive_nowait", None)
             while True:
@@ -178,10 +182,14 @@ class BaseActor:
                     return
                 while True:
                     try:
-                        try:
-                            reply.send_nowait(delta)
-                        except trio.WouldBlock:
-                            await reply.send(delta)
+                        if output is not None and delta.finish_reason is None:
+                            if not output.offer(delta):
+                                await output.put(delta)
+                        else:
+                            try:
+                                reply.send_nowait(delta)
+                            except trio.WouldBlock:
+                                await reply.send(delta)
                     except trio.BrokenResourceError:
                         # The requester left; leaving the stream aborts the worker's
                         # side.  Raising here instead would surface through the
@@ -215,9 +223,12 @@ class BaseActor:
 
     @asynccontextmanager
     async def submit(
-        self, context: StageContext, item: int | None
+        self, context: StageContext, item: int | None, *, output: OutputRelay | None = None
     ) -> AsyncIterator[tuple[Job, trio.MemoryReceiveChannel[StageEvent]]]:
         """Queue a job; yield it (read-only) and its reply channel; cancel it on exit.
+
+        ``output`` (an output stage's requester only) takes the job's non-final
+        deltas straight to the request's caller; see :mod:`~epd_actors.output_relay`.
 
         A job that would not wait -- the actor is running and not crashing,
         its inbox is empty and it has a free job slot -- skips the inbox: its
@@ -229,7 +240,7 @@ class BaseActor:
         Cancellation: leaving the block (normally or not) cancels the job.
         """
         reply_send, reply_receive = trio.open_memory_channel[StageEvent](JOB_REPLY_BUFFER)
-        job = Job(context, item, reply_send, enqueued_at=trio.current_time())
+        job = Job(context, item, reply_send, enqueued_at=trio.current_time(), output=output)
         if not self._start_at_once(job):
             try:
                 await self._inbox_send.send(job)

@@ -22,6 +22,7 @@ from ..protocol import Delta
 
 if TYPE_CHECKING:
     from ..errors import EpdError
+    from ..output_relay import OutputRelay
     from ..request import GenerationRequest
 
 Compensation = Callable[[], Awaitable[object]]
@@ -88,6 +89,9 @@ class Job:
         item: which part of the context this job covers (a media index for
             encode), or ``None``.
         reply: where the job's events go; the job task owns and closes it.
+        output: for an output stage run by the supervisor, where its non-final
+            deltas go instead of ``reply`` (straight to the request's caller);
+            ``None``: every event goes on ``reply``.
         enqueued_at / started_at / finished_at: router clock readings.
         worker_id: the worker the job ran on, once chosen.
         scope: cancelled by the requester when it no longer wants the job.
@@ -116,6 +120,7 @@ class Job:
     output_started: bool = False
     last_error: EpdError | None = None
     timed_out: bool = False
+    output: OutputRelay | None = None
 
     @property
     def request_id(self) -> str:

@@ -451,13 +451,15 @@ class NativeBackend:
     async def _read_loop(self, conn: _Connection) -> None:
         """Decode and route replies until the connection ends (the only reader).
 
-        Every frame received proves the worker alive: it pushes the heartbeat
-        watchdog's deadline ``heartbeat_timeout_s`` ahead, as a ``Pong`` does.
+        Every read proves the worker alive: it pushes the heartbeat watchdog's
+        deadline ``heartbeat_timeout_s`` ahead, as a ``Pong`` does.  The frames
+        that came in one read are routed together, with one deadline change.
         """
         timeout = self.settings.heartbeat_timeout_s
         watchdog = conn.watchdog
+        framed = conn.framed
         while conn.reason is None:
-            message = await conn.framed.receive()
+            message = await framed.receive()
             watchdog.deadline = trio.current_time() + timeout
             if message is None:
                 level = logging.DEBUG if self._draining else logging.ERROR
@@ -467,6 +469,12 @@ class NativeBackend:
                 conn.close("the worker closed the connection")
                 return
             self._dispatch(conn, message)
+            while conn.reason is None:
+                try:
+                    message = framed.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                self._dispatch(conn, message)
 
     def _dispatch(self, conn: _Connection, message: Message) -> None:
         """Route one message (synchronous: the reader never waits on a consumer)."""

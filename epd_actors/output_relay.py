@@ -1,0 +1,153 @@
+"""The output relay: an output stage's deltas go straight to the request's caller.
+
+Theory of operation
+-------------------
+A request's output stage (decode, or merged PD) produces one delta per engine
+step or burst.  Passing each through the supervisor's request task would cost
+one more task wake-up per delta; instead the supervisor hands the output job an
+:class:`OutputRelay` (``Job.output``), and the job's own task puts each
+non-final delta on the request's event channel as a ``DeltaEvent``, doing the
+supervisor's bookkeeping (first-token time, tokens so far) as it goes.  The
+job's final delta still travels on the job's reply channel, so the supervisor
+sees the end of the stage, takes over the job's compensations and sends the
+usage and done events after the last ``DeltaEvent``: the order the caller sees
+is the order the worker produced.
+
+Deadlines: the relay notes when the last delta passed (``last_delta_at``) and
+whether it is waiting for the caller (``waiting_for_caller``).  The supervisor,
+waiting for the final event, takes its deadline from those
+(:meth:`OutputRelay.deadline`) and, when it passes, asks again before it gives
+up.  Only the first delta touches the waiting scope (``watch``), because the
+inter-token deadline may come before the first-token one.  So the inter-token
+timeout still measures the gap between two deltas, without a deadline change
+per delta; and while the caller reads too slowly for the event channel to take
+a delta, the timeout does not run: a slow reader is not a stalled worker (the
+request's own deadline still applies).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+
+from .request import DeltaEvent, GenerationEvent
+
+if TYPE_CHECKING:
+    from .protocol import Delta
+
+
+class OutputProgress(Protocol):
+    """The part of a request's record the relay keeps up to date."""
+
+    first_token_at: float | None
+    completion_tokens: int
+
+
+class OutputRelay:
+    """Puts an output job's deltas on its request's event channel (see the module doc).
+
+    Args:
+        events: the request's event channel (the caller reads the other end).
+        progress: where the first-token time and the token count are kept.
+        inter_token_s: the inter-token timeout the deadline is moved by.
+    """
+
+    __slots__ = (
+        "_events",
+        "_inter_token_s",
+        "_progress",
+        "caller_left",
+        "last_delta_at",
+        "relayed",
+        "waiting_for_caller",
+        "watch",
+    )
+
+    def __init__(
+        self,
+        events: trio.MemorySendChannel[GenerationEvent],
+        progress: OutputProgress,
+        inter_token_s: float,
+    ) -> None:
+        self._events = events
+        self._progress = progress
+        self._inter_token_s = inter_token_s
+        self.relayed = False  # a delta arrived through this relay
+        self.last_delta_at = -math.inf
+        self.waiting_for_caller = False
+        self.caller_left = False
+        self.watch: trio.CancelScope | None = None  # the supervisor's wait, while it waits
+
+    def deadline(self, first_token_deadline: float) -> float:
+        """When the output stage counts as stalled, as of now.
+
+        ``first_token_deadline`` until a delta arrived, then the inter-token
+        timeout after the last one; while the relay waits for the caller, one
+        inter-token timeout from now (to be asked again then).
+        """
+        if self.waiting_for_caller:
+            return trio.current_time() + self._inter_token_s
+        if not self.relayed:
+            return first_token_deadline
+        return self.last_delta_at + self._inter_token_s
+
+    def offer(self, delta: Delta) -> bool:
+        """Relay ``delta`` if the event channel has room now; False (nothing done) if not.
+
+        Not a checkpoint.
+
+        Raises:
+            trio.BrokenResourceError: the caller closed its end (``caller_left`` is set).
+        """
+        if delta.token_ids or delta.text:
+            event = DeltaEvent(delta.text, delta.token_ids, delta.logprobs)
+            try:
+                self._events.send_nowait(event)
+            except trio.WouldBlock:
+                return False
+            except trio.BrokenResourceError:
+                self.caller_left = True
+                raise
+            self._count(delta)
+        self._progressed()
+        return True
+
+    async def put(self, delta: Delta) -> None:
+        """Relay ``delta``, waiting for room in the event channel.
+
+        Raises:
+            trio.BrokenResourceError: the caller closed its end (``caller_left`` is set).
+
+        Cancellation: safe; a delta cancelled here was not relayed.
+        Backpressure: waits while the caller has ``REQUEST_EVENT_BUFFER`` events
+        unread; the inter-token timeout does not run meanwhile.
+        """
+        if delta.token_ids or delta.text:
+            self.waiting_for_caller = True
+            try:
+                await self._events.send(DeltaEvent(delta.text, delta.token_ids, delta.logprobs))
+            except trio.BrokenResourceError:
+                self.caller_left = True
+                raise
+            finally:
+                self.waiting_for_caller = False
+            self._count(delta)
+        else:
+            await trio.lowlevel.checkpoint()
+        self._progressed()
+
+    def _progressed(self) -> None:
+        now = self.last_delta_at = trio.current_time()
+        if not self.relayed:
+            self.relayed = True
+            # The inter-token deadline may come before the first-token one.
+            if self.watch is not None:
+                self.watch.deadline = min(self.watch.deadline, now + self._inter_token_s)
+
+    def _count(self, delta: Delta) -> None:
+        progress = self._progress
+        if progress.first_token_at is None:
+            progress.first_token_at = trio.current_time()
+        progress.completion_tokens += len(delta.token_ids)
