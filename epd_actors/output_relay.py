@@ -59,6 +59,7 @@ class OutputRelay:
         "_inter_token_s",
         "_progress",
         "caller_left",
+        "closed",
         "last_delta_at",
         "relayed",
         "waiting_for_caller",
@@ -78,6 +79,7 @@ class OutputRelay:
         self.last_delta_at = -math.inf
         self.waiting_for_caller = False
         self.caller_left = False
+        self.closed = False
         self.watch: trio.CancelScope | None = None  # the supervisor's wait, while it waits
 
     def deadline(self, first_token_deadline: float) -> float:
@@ -93,14 +95,24 @@ class OutputRelay:
             return first_token_deadline
         return self.last_delta_at + self._inter_token_s
 
+    def close(self) -> None:
+        """The supervisor is done with the job: drop whatever still comes, quietly.
+
+        Whatever the supervisor sends next (the stage's end, an error) must
+        not be followed by a late delta of a job that is being cancelled.
+        """
+        self.closed = True
+
     def offer(self, delta: Delta) -> bool:
         """Relay ``delta`` if the event channel has room now; False (nothing done) if not.
 
-        Not a checkpoint.
+        Not a checkpoint.  A closed relay drops the delta (and returns True).
 
         Raises:
             trio.BrokenResourceError: the caller closed its end (``caller_left`` is set).
         """
+        if self.closed:
+            return True
         if delta.token_ids or delta.text:
             event = DeltaEvent(delta.text, delta.token_ids, delta.logprobs)
             try:
@@ -124,6 +136,9 @@ class OutputRelay:
         Backpressure: waits while the caller has ``REQUEST_EVENT_BUFFER`` events
         unread; the inter-token timeout does not run meanwhile.
         """
+        if self.closed:
+            await trio.lowlevel.checkpoint()
+            return
         if delta.token_ids or delta.text:
             self.waiting_for_caller = True
             try:
@@ -137,6 +152,19 @@ class OutputRelay:
         else:
             await trio.lowlevel.checkpoint()
         self._progressed()
+
+    def sink(self, delta: Delta) -> bool:
+        """:meth:`offer` for a task that is not the job's and must not fail.
+
+        A backend's reader calls it with a delta of the job's stream, as soon as
+        the delta arrives, while the job's task waits with nothing queued.  False:
+        the delta was not taken (no room, or the caller left); the reader then
+        queues it for the job's task, which meets the same condition itself.
+        """
+        try:
+            return self.offer(delta)
+        except trio.BrokenResourceError:
+            return False
 
     def _progressed(self) -> None:
         now = self.last_delta_at = trio.current_time()

@@ -484,35 +484,40 @@ class Supervisor:
     ) -> None:
         relay = OutputRelay(events, record, self.deadlines.inter_token_timeout_s)
         output = relay if actor.produces_output else None
-        async with actor.submit(context, item, output=output) as (job, replies):
-            while True:
-                try:
-                    event = await self._next_event(actor, replies, relay)
-                except StageTimeout:
-                    job.timed_out = True  # the worker's breaker counts it (read on release)
-                    raise
-                # Then every event already queued behind it, without waiting.
+        try:
+            async with actor.submit(context, item, output=output) as (job, replies):
                 while True:
-                    if event is None:
-                        if relay.caller_left:
-                            raise trio.BrokenResourceError("the caller closed its event channel")
-                        raise ActorCrashed(
-                            f"{actor.stage} actor ended request {record.request.request_id}'s "
-                            "job without an answer"
-                        )
-                    if await self._absorb(event, context, record, relay):
-                        record.compensations.extend(job.hand_over())
-                        if job.started_at is not None:
-                            waits.append(job.started_at - job.enqueued_at)
-                        if job.worker_id is not None:
-                            workers.append(job.worker_id)
-                        return
                     try:
-                        event = replies.receive_nowait()
-                    except trio.WouldBlock:
-                        break
-                    except trio.EndOfChannel:
-                        event = None
+                        event = await self._next_event(actor, replies, relay)
+                    except StageTimeout:
+                        job.timed_out = True  # the worker's breaker counts it (read on release)
+                        raise
+                    # Then every event already queued behind it, without waiting.
+                    while True:
+                        if event is None:
+                            if relay.caller_left:
+                                raise trio.BrokenResourceError(
+                                    "the caller closed its event channel"
+                                )
+                            raise ActorCrashed(
+                                f"{actor.stage} actor ended request {record.request.request_id}'s "
+                                "job without an answer"
+                            )
+                        if await self._absorb(event, context, record, relay):
+                            record.compensations.extend(job.hand_over())
+                            if job.started_at is not None:
+                                waits.append(job.started_at - job.enqueued_at)
+                            if job.worker_id is not None:
+                                workers.append(job.worker_id)
+                            return
+                        try:
+                            event = replies.receive_nowait()
+                        except trio.WouldBlock:
+                            break
+                        except trio.EndOfChannel:
+                            event = None
+        finally:
+            relay.close()  # a late delta must not follow what the supervisor sends next
 
     async def _next_event(
         self,

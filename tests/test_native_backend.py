@@ -408,6 +408,38 @@ async def test_stream_yields_deltas_then_end_of_channel(autojump_clock: object) 
         assert backend.statistics().aborts_sent == 0
 
 
+async def test_a_sink_takes_deltas_directly_and_never_out_of_order(
+    autojump_clock: object,
+) -> None:
+    """A refused delta is queued, and so is every later one until the reader catches up."""
+    engine = ScriptedEngine(tokens=8, token_delay=1.0)
+    offered: list[str] = []
+    taken: list[str] = []
+
+    def sink(delta: Delta) -> bool:
+        offered.append(delta.text)
+        if delta.text == "t2 ":
+            return False  # as a relay whose caller's buffer is full
+        taken.append(delta.text)
+        return True
+
+    async with (
+        harness(WorkerLink(make_server(engine).handle_stream)) as backend,
+        backend.open_stream(generate("g")) as stream,
+    ):
+        stream.set_sink(sink)
+        received = [await stream.receive()]  # t2: t0 and t1 went to the sink
+        await trio.sleep(2.5)  # t3 and t4 arrive while this reader is behind
+        while received[-1].finish_reason is None:
+            received.append(await stream.receive())
+    texts = [d.text for d in received]
+    assert offered == ["t0 ", "t1 ", "t2 ", "t5 ", "t6 "]  # not t3, t4: queued behind t2
+    assert taken == ["t0 ", "t1 ", "t5 ", "t6 "]  # caught up, the sink takes deltas again
+    assert texts == ["t2 ", "t3 ", "t4 ", "t7 "]  # the worker merged t7 into the last delta
+    assert received[-1].finish_reason == "length"  # the terminal delta is always queued
+    assert backend.statistics().in_flight == 0
+
+
 async def test_error_mid_stream_is_raised_after_the_deltas_before_it(
     autojump_clock: object,
 ) -> None:

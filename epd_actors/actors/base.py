@@ -164,8 +164,9 @@ class BaseActor:
         supervisor does: they reach the caller without waking the requester),
         else on ``job.reply``; the final delta always goes on ``job.reply``.  A
         burst of deltas that already arrived is passed on without a scheduling
-        round per delta, when the stream offers ``receive_nowait`` (the native
-        one does).
+        round per delta, when the stream offers ``receive_nowait``; a stream
+        that offers ``set_sink`` (the native one does) hands the deltas to
+        ``job.output`` itself, as they arrive, without waking this task.
 
         Backpressure: waits while the requester's buffer (the reply channel,
         or the caller's event channel behind ``job.output``) is full.
@@ -175,11 +176,19 @@ class BaseActor:
         reply, output = job.reply, job.output
         async with backend.open_stream(request) as stream:
             receive_nowait: Callable[[], Delta] | None = getattr(stream, "receive_nowait", None)
+            set_sink: Callable[[Callable[[Delta], bool]], None] | None = getattr(
+                stream, "set_sink", None
+            )
+            if output is not None and set_sink is not None:
+                set_sink(output.sink)
             while True:
                 try:
                     delta = await stream.receive()
                 except trio.EndOfChannel:
                     return
+                finally:
+                    # Deltas the stream handed to the relay itself count as output.
+                    job.output_started |= output is not None and output.relayed
                 while True:
                     try:
                         if output is not None and delta.finish_reason is None:

@@ -523,11 +523,17 @@ class NativeBackend:
                 message.request_id,
             )
             return
+        if pending.direct and type(message) is Delta and message.finish_reason is None:
+            assert pending.sink is not None  # direct is only set with a sink
+            if pending.sink(message):
+                return
+            pending.direct = False  # queued from now on, until the consumer catches up
         try:
             pending.send_channel.send_nowait(message)
         except trio.WouldBlock:
             self._overrun(conn, pending)
             return
+        pending.direct = False
         if not isinstance(message, Delta) or message.finish_reason is not None:
             pending.settle()
 

@@ -26,6 +26,8 @@ from ..protocol import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..errors import WorkerError
     from ..protocol import Welcome
     from ..transport import FramedStream
@@ -204,7 +206,8 @@ class _Pending:
     ``accepting``: the reader may still deliver replies.  ``failure``: set once;
     the next receive raises it.  ``settled``: the worker holds nothing more for
     the request (its terminal reply or ``Aborted`` arrived, or the connection
-    is gone), so cleanup need not abort it.
+    is gone), so cleanup need not abort it.  ``sink`` / ``direct``: see
+    :meth:`NativeDeltaStream.set_sink`.
     """
 
     __slots__ = (
@@ -212,6 +215,7 @@ class _Pending:
         "abortable",
         "accepting",
         "connection",
+        "direct",
         "expects",
         "failure",
         "number",
@@ -220,6 +224,7 @@ class _Pending:
         "send_channel",
         "sent",
         "settled",
+        "sink",
         "stage",
         "worker_id",
     )
@@ -246,6 +251,8 @@ class _Pending:
         self.sent = False  # the request frame is queued or written
         self.number = -1  # the request frame's number in the connection's outbox
         self.abort_sent = False
+        self.sink: Callable[[Delta], bool] | None = None
+        self.direct = False  # the reader may hand a delta to ``sink`` now
 
     def stop_accepting(self) -> None:
         self.accepting = False
@@ -320,6 +327,20 @@ class NativeDeltaStream:
     def __repr__(self) -> str:
         return f"<NativeDeltaStream {self._pending.request_id} on {self._pending.worker_id}>"
 
+    def set_sink(self, sink: Callable[[Delta], bool]) -> None:
+        """Let the connection's reader hand non-final deltas to ``sink`` directly.
+
+        While the reader of this stream waits in :meth:`receive` with nothing
+        queued, each non-final delta that arrives goes to ``sink`` in the
+        connection reader's task, without waking this stream's reader.  ``sink``
+        must not raise or block; returning False means it did not take the
+        delta, which is then queued as usual -- and so is everything after it,
+        until this stream's reader has caught up and waits again, so the order
+        of the deltas always holds.  The terminal delta and errors are always
+        queued.
+        """
+        self._pending.sink = sink
+
     async def receive(self) -> Delta:
         """The next delta.
 
@@ -333,7 +354,11 @@ class NativeDeltaStream:
         Backpressure: none towards the worker; a reader that falls
         ``request_buffer`` replies behind gets ``StreamOverrun``.
         """
-        reply = await self._pending.receive()
+        pending = self._pending
+        if pending.sink is not None:
+            # Caught up (nothing queued): the sink may take the next deltas.
+            pending.direct = not pending.receive_channel.statistics().current_buffer_used
+        reply = await pending.receive()
         assert isinstance(reply, Delta)  # the reader checked the reply kind
         return reply
 

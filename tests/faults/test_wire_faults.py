@@ -32,6 +32,7 @@ from epd_actors.config import Deadlines
 from epd_actors.errors import ConnectionLost, WorkerDisconnected
 from epd_actors.protocol import (
     PROTOCOL_VERSION,
+    Delta,
     GenerateRequest,
     Hello,
     Ping,
@@ -40,6 +41,7 @@ from epd_actors.protocol import (
     WorkerStats,
 )
 from epd_actors.protocol.codec import HEADER
+from epd_actors.retry import RetryPolicy
 from epd_actors.transport import FramedStream
 from epd_actors.worker.engines.sim import SimConfig
 
@@ -276,3 +278,38 @@ async def test_a_stalled_worker_is_cut_off_by_the_deadline_and_sees_the_abort(
                 assert seen.ended_at - start == pytest.approx(4.0, abs=0.05)
             await assert_no_leaks(fleet, router)
             assert fleet.counter(stalled, "aborts") == 1
+
+
+async def three_tokens_then_hang_up(stream: trio.abc.Stream) -> None:
+    """A decode worker that streams three tokens of its first request and then vanishes."""
+    framed = FramedStream(stream, peer="router")
+    try:
+        assert isinstance(await framed.receive(), Hello)
+        await framed.send(Welcome(PROTOCOL_VERSION, "dies", "decode", "sim-model"))
+        while (message := await framed.receive()) is not None:
+            if isinstance(message, Ping):
+                await framed.send(Pong(message.nonce, IDLE))
+            elif isinstance(message, GenerateRequest):
+                for n in range(3):
+                    await trio.sleep(0.25)
+                    await framed.send(Delta(message.request_id, token_ids=(n,), text=f"t{n} "))
+                return
+    finally:
+        await framed.aclose()
+
+
+async def test_a_stream_that_dies_after_tokens_handed_straight_to_the_caller_is_not_retried(
+    autojump_clock: object,
+) -> None:
+    """The native reader gives the deltas to the caller itself; they still count as output."""
+    with trio.fail_after(GUARD_S):
+        async with open_wire_router(
+            {"prefill": ["p0"], "decode": ["d0", "d1"]},
+            first={"d0": [three_tokens_then_hang_up], "d1": [three_tokens_then_hang_up]},
+            retries=RetryPolicy(max_attempts=3),
+        ) as (fleet, router):
+            seen = await run_one(router, text(8))
+            assert seen.tokens == 3
+            assert isinstance(seen.error, WorkerDisconnected)
+            assert router.statistics().actors["decode"].retries_total == 0
+            await assert_no_leaks(fleet, router)
