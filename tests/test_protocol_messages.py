@@ -311,6 +311,16 @@ MALFORMED: list[tuple[str, bytes, str]] = [
         r"^prefill\.sampling\.top_p: expected float, got bool",
     ),
     ("nested-not-map", prefill_with(sampling=[4]), r"^prefill\.sampling: expected map, got list"),
+    (
+        "int-for-optional-str",
+        pack({"type": "delta", "request_id": "r", "finish_reason": 5}),
+        r"^delta\.finish_reason: expected str, got int",
+    ),
+    (
+        "str-in-token-ids",
+        pack({"type": "delta", "request_id": "r", "token_ids": [1, "2"]}),
+        r"^delta\.token_ids\[1\]: expected int, got str",
+    ),
     ("nested-unknown-field", sampling_with(beam=2), r"^prefill\.sampling: unknown field 'beam'"),
     (
         "nested-type-key",

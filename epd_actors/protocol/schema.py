@@ -180,8 +180,12 @@ def _compile_tuple(item: object) -> tuple[Checker, Emitter]:
         if type(value) not in (tuple, list):
             _fail(path, "array", value)
         items = typing.cast("list[object]", value)
-        if exact is not None and all(type(v) is exact for v in items):
-            return tuple(items)
+        if exact is not None:
+            for v in items:  # a plain loop: no generator to set up for a short array
+                if type(v) is not exact:
+                    break
+            else:
+                return tuple(items)
         return tuple(item_check(v, f"{path}[{i}]") for i, v in enumerate(items))
 
     if item_emit is _identity:
@@ -199,34 +203,44 @@ class _Field:
     check: Checker
     emit: Emitter
     required: bool
+    nullable: bool  # ``None`` is valid as it is: no call to ``check`` for it
 
 
 class Struct:
     """The compiled wire form of one dataclass: check (map -> instance) and emit."""
 
-    __slots__ = ("cls", "fields", "names", "tag")
+    __slots__ = ("allowed", "cls", "fields", "names", "plan", "tag")
 
     def __init__(self, cls: type, fields: tuple[_Field, ...], tag: str | None) -> None:
         self.cls = cls
         self.fields = fields
         self.names = frozenset(f.name for f in fields)
+        # Only a tagged (top-level) struct carries the ``type`` key.
+        self.allowed = self.names if tag is None else self.names | {"type"}
         self.tag = tag
+        # Per field, what the check loop needs, with the field's path in a
+        # top-level message (whose path is its tag) built once, not per frame.
+        self.plan = tuple((f, f"{tag}.{f.name}") for f in fields)
 
     def check(self, value: object, path: str) -> object:
         """Validate a decoded map and build the dataclass instance."""
         if type(value) is not dict:
             _fail(path, "map", value)
         data = typing.cast("dict[str, object]", value)
-        for key in data:
-            # Only a tagged (top-level) struct carries the ``type`` key.
-            if key not in self.names and (key != "type" or self.tag is None):
-                raise RemoteProtocolError(f"{path}: unknown field {key!r}")
+        if not self.allowed.issuperset(data):
+            unknown = next(key for key in data if key not in self.allowed)
+            raise RemoteProtocolError(f"{path}: unknown field {unknown!r}")
+        tagged = path == self.tag
         kwargs: dict[str, object] = {}
-        for field in self.fields:
-            if field.name in data:
-                kwargs[field.name] = field.check(data[field.name], f"{path}.{field.name}")
+        for field, tagged_path in self.plan:
+            name = field.name
+            item = data.get(name, _MISSING)
+            if item is None and field.nullable:
+                kwargs[name] = None
+            elif item is not _MISSING:
+                kwargs[name] = field.check(item, tagged_path if tagged else f"{path}.{name}")
             elif field.required:
-                raise RemoteProtocolError(f"{path}: missing field {field.name!r}")
+                raise RemoteProtocolError(f"{path}: missing field {name!r}")
         try:
             return self.cls(**kwargs)
         except LocalProtocolError as exc:
@@ -251,9 +265,11 @@ def compile_struct(cls: type, tag: str | None = None) -> Struct:
     hints = typing.get_type_hints(cls)
     fields = []
     for f in dataclasses.fields(cls):
-        check, emit = _compile(hints[f.name])
+        annotation = hints[f.name]
+        check, emit = _compile(annotation)
         required = f.default is _MISSING and f.default_factory is _MISSING
-        fields.append(_Field(f.name, check, emit, required))
+        nullable = type(None) in typing.get_args(annotation)
+        fields.append(_Field(f.name, check, emit, required, nullable))
     struct = Struct(cls, tuple(fields), tag)
     _STRUCTS[cls] = struct
     return struct
