@@ -36,6 +36,7 @@ from .request import DeltaEvent, GenerationEvent
 
 if TYPE_CHECKING:
     from .protocol import Delta
+    from .request import DirectDeltas
 
 
 class OutputProgress(Protocol):
@@ -52,9 +53,12 @@ class OutputRelay:
         events: the request's event channel (the caller reads the other end).
         progress: where the first-token time and the token count are kept.
         inter_token_s: the inter-token timeout the deadline is moved by.
+        direct: the caller's offer to take deltas itself (see
+            :data:`~epd_actors.request.DirectDeltas`), tried before the channel.
     """
 
     __slots__ = (
+        "_direct",
         "_events",
         "_inter_token_s",
         "_progress",
@@ -71,7 +75,9 @@ class OutputRelay:
         events: trio.MemorySendChannel[GenerationEvent],
         progress: OutputProgress,
         inter_token_s: float,
+        direct: DirectDeltas | None = None,
     ) -> None:
+        self._direct = direct
         self._events = events
         self._progress = progress
         self._inter_token_s = inter_token_s
@@ -115,13 +121,15 @@ class OutputRelay:
             return True
         if delta.token_ids or delta.text:
             event = DeltaEvent(delta.text, delta.token_ids, delta.logprobs)
-            try:
-                self._events.send_nowait(event)
-            except trio.WouldBlock:
-                return False
-            except trio.BrokenResourceError:
-                self.caller_left = True
-                raise
+            direct = self._direct
+            if direct is None or not direct(event):
+                try:
+                    self._events.send_nowait(event)
+                except trio.WouldBlock:
+                    return False
+                except trio.BrokenResourceError:
+                    self.caller_left = True
+                    raise
             self._count(delta)
         self._progressed()
         return True

@@ -40,7 +40,7 @@ from .supervisor import Supervisor, SupervisorStatistics
 if TYPE_CHECKING:
     from .actors import ActorStatistics
     from .backends.openai_http import OpenAIHttpBackendFactory, OpenAIHttpSettings
-    from .request import GenerationEvent, GenerationRequest
+    from .request import DirectDeltas, GenerationEvent, GenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +127,10 @@ class Router:
         return f"<Router topology={'+'.join(self.supervisor.topology)}>"
 
     def generate(
-        self, request: GenerationRequest
+        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
     ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
         """Run one request; the block yields its events (see ``Supervisor.generate``)."""
-        return self.supervisor.generate(request)
+        return self.supervisor.generate(request, direct=direct)
 
     def statistics(self) -> RouterStatistics:
         return RouterStatistics(

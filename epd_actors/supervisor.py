@@ -74,6 +74,7 @@ if TYPE_CHECKING:
 
     from .actors.jobs import Compensation, StageEvent
     from .pool import WorkerPool
+    from .request import DirectDeltas
     from .retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class _RequestRecord:
     usage: Usage | None = None
     compensations: list[Compensation] = field(default_factory=list)
     error: EpdError | None = None
+    direct: DirectDeltas | None = None  # the caller's offer to take deltas itself
 
     def timings(self) -> RequestTimings:
         now = trio.current_time()
@@ -281,11 +283,13 @@ class Supervisor:
 
     @asynccontextmanager
     async def generate(
-        self, request: GenerationRequest
+        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
     ) -> AsyncIterator[trio.MemoryReceiveChannel[GenerationEvent]]:
         """Run ``request``; yield the channel its events arrive on.
 
         The last event is always a ``DoneEvent`` or an ``ErrorEvent``.
+        ``direct``: the caller takes deltas as they are produced, when it can
+        (see :data:`~epd_actors.request.DirectDeltas`); the rest come on the channel.
 
         Cancellation: leaving the block early cancels the request; its workers
         are told to abort and compensations run (shielded, bounded).
@@ -309,7 +313,7 @@ class Supervisor:
             with single_exception():
                 async with trio.open_nursery() as nursery:
                     name = f"request:{request.request_id}"
-                    nursery.start_soon(self._run_request, request, send, name=name)
+                    nursery.start_soon(self._run_request, request, send, direct, name=name)
                     try:
                         with receive:
                             yield receive
@@ -334,9 +338,12 @@ class Supervisor:
         return ErrorEvent(error, RequestTimings(0.0, {}, None, 0.0, {}))
 
     async def _run_request(
-        self, request: GenerationRequest, events: trio.MemorySendChannel[GenerationEvent]
+        self,
+        request: GenerationRequest,
+        events: trio.MemorySendChannel[GenerationEvent],
+        direct: DirectDeltas | None,
     ) -> None:
-        record = _RequestRecord(request, trio.current_time())
+        record = _RequestRecord(request, trio.current_time(), direct=direct)
         completed = False
         try:
             async with events:
@@ -482,7 +489,9 @@ class Supervisor:
         workers: list[str],
         waits: list[float],
     ) -> None:
-        relay = OutputRelay(events, record, self.deadlines.inter_token_timeout_s)
+        relay = OutputRelay(
+            events, record, self.deadlines.inter_token_timeout_s, direct=record.direct
+        )
         output = relay if actor.produces_output else None
         try:
             async with actor.submit(context, item, output=output) as (job, replies):

@@ -30,6 +30,7 @@ from epd_actors.frontends.http import (
 from epd_actors.protocol import Usage
 from epd_actors.request import (
     DeltaEvent,
+    DirectDeltas,
     DoneEvent,
     ErrorEvent,
     GenerationEvent,
@@ -175,12 +176,14 @@ class ScriptedApp:
         self.started = trio.Event()
         self.left = trio.Event()
         self.observed: list[tuple[str, int]] = []
+        self.direct: DirectDeltas | None = None
 
     @asynccontextmanager
     async def generate(
-        self, request: GenerationRequest
+        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
     ) -> AsyncIterator[trio.MemoryReceiveChannel[GenerationEvent]]:
         self.requests.append(request)
+        self.direct = direct
         send, receive = trio.open_memory_channel[GenerationEvent](32)
         for event in self.script or ():
             send.send_nowait(event)
@@ -670,6 +673,31 @@ async def test_queued_events_are_coalesced_into_one_write() -> None:
     assert second_write.count(b"data: ") == 1
     assert last_write.count(b"data: ") == 2  # finish chunk + [DONE]
     assert last_write.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+async def test_a_direct_delta_the_socket_cannot_take_now_is_written_before_the_next() -> None:
+    """A delta offered while the response's task waits is taken; a memory stream
+    takes nothing without waiting, so it is written, in order, at the next event."""
+    app = ScriptedApp()
+    async with connected(app) as client:
+        await client.send("POST", "/v1/chat/completions", json_body={**CHAT, "stream": True})
+        await app.started.wait()
+        assert app.feed is not None
+        assert app.direct is not None
+        assert app.direct(delta("early")) is False  # the head is not out yet
+        app.feed.send_nowait(delta("a"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert app.direct(delta("b")) is True  # the response's task is waiting
+        assert app.direct(delta("c")) is False  # "b" is not written yet: queue behind it
+        app.feed.send_nowait(delta("c"))
+        app.feed.send_nowait(done())
+        reply = await client.response()
+    contents = [
+        json.loads(line[6:])["choices"][0]["delta"].get("content")
+        for line in reply.body.decode().splitlines()
+        if line.startswith("data: {")
+    ]
+    assert contents == ["", "a", "b", "c", None]
 
 
 async def test_failure_mid_stream_ends_with_an_error_event_and_closes() -> None:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     import trio
 
-    from ..request import GenerationEvent, GenerationRequest
+    from ..request import DirectDeltas, GenerationEvent, GenerationRequest
     from ..router import Router
 
     AdminHook = Callable[[str, str, object], Awaitable[tuple[int, object]]]
@@ -82,9 +82,13 @@ class HttpApp(Protocol):
     admin: AdminHook | None
 
     def generate(
-        self, request: GenerationRequest
+        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
     ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
-        """Run a request; the block yields its events (last: Done or Error)."""
+        """Run a request; the block yields its events (last: Done or Error).
+
+        ``direct``, if given, may be offered the deltas before they are queued
+        (:data:`~epd_actors.request.DirectDeltas`); an app may also ignore it.
+        """
         ...
 
     def models(self) -> list[str]:
@@ -116,9 +120,9 @@ class RouterHttpApp:
         self.admin: AdminHook | None = None
 
     def generate(
-        self, request: GenerationRequest
+        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
     ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
-        return self.router.generate(request)
+        return self.router.generate(request, direct=direct)
 
     def models(self) -> list[str]:
         return [self.router.config.model]

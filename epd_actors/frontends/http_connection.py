@@ -56,6 +56,7 @@ from .media import resolve_media
 from .openai_format import SseFormatter, error_body, logprobs_body, response_body, unix_time
 from .openai_schema import ParsedRequest, parse_chat_completion, parse_completion
 from .sse import next_batch, render_batch
+from .sse_direct import DirectSseWriter
 
 if TYPE_CHECKING:
     from ..request import GenerationEvent
@@ -472,7 +473,12 @@ class HttpConnection:
             created=unix_time(),
             logprobs=parsed.logprobs,
         )
-        async with self.app.generate(parsed.request) as events:
+        # Once the head is out, deltas that find this task waiting are written
+        # by the task that produced them (see sse_direct).
+        direct = DirectSseWriter(
+            self.h11, self.stream, formatter, logprobs=parsed.logprobs, exchange=self.exchange
+        )
+        async with self.app.generate(parsed.request, direct=direct) as events:
             batch = await next_batch(events)
             if batch and isinstance(batch[0], ErrorEvent):
                 raise _Failed(batch[0])
@@ -490,8 +496,12 @@ class HttpConnection:
                     await self._write(data)
                 if final is not None:
                     break
-                head, text = b"", ""
-                batch = await next_batch(events)
+                text = ""
+                batch = await direct.next_batch(events)
+                if direct.failed:
+                    self.close_after = True
+                    raise ClientGone("the client stopped reading")
+                head = direct.take_backlog()
         if isinstance(final, ErrorEvent):
             logger.info("[%s] stream failed: %s", parsed.request_id, final.error)
             self.close_after = True

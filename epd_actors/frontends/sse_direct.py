@@ -1,0 +1,126 @@
+"""Writing a streaming response's deltas from the router task that produced them.
+
+Theory of operation
+-------------------
+A streaming response has one writer: its connection's task, which waits for
+the request's events, renders each batch as SSE and writes it.  When a token
+comes alone (an engine step every few milliseconds, one token per stream), that
+is one wake-up of the connection's task per token.  A :class:`DirectSseWriter`
+is the response's :data:`~epd_actors.request.DirectDeltas`: while the
+connection's task waits on an empty event channel (``idle``), the router's
+task that produced a delta renders it and offers it to the socket without
+waiting (:func:`~epd_actors.transport.send_some_nowait`), so the connection's
+task sleeps through the whole stream and wakes for its end.
+
+Order and ownership: the writer takes a delta only while ``idle``, which the
+connection's task sets just before it waits on an empty channel and clears as
+soon as it runs again; a refusal, a short write or a failure clears it too, so
+once one delta is queued every later one is queued behind it, and the
+connection's task writes them in order.  What the kernel did not take of a
+direct write is kept (``backlog``) and written by the connection's task before
+anything else, when it next wakes: at the next event queued for it, at the
+latest the final one.  A broken socket is recorded (``failed``) and becomes
+``ClientGone`` in the connection's task.  Nothing here blocks or raises.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import h11
+import trio
+
+from ..transport import send_some_nowait
+from .sse import next_batch
+
+if TYPE_CHECKING:
+    from ..request import DeltaEvent, GenerationEvent
+    from .openai_format import SseFormatter
+
+
+class SentCounter(Protocol):
+    """Where a response's byte count is kept (the exchange's log record)."""
+
+    sent: int
+
+
+class DirectSseWriter:
+    """A streaming response's direct writer (see the module docstring).
+
+    Args:
+        connection: the response's h11 connection; its head was already sent.
+        stream: the client's stream.
+        formatter: renders one delta as SSE text.
+        logprobs: the request asked for log-probabilities (a delta without
+            text is rendered when it has tokens).
+        exchange: the byte count to add what is written to, if any.
+    """
+
+    __slots__ = (
+        "_connection",
+        "_exchange",
+        "_formatter",
+        "_logprobs",
+        "_stream",
+        "backlog",
+        "failed",
+        "idle",
+    )
+
+    def __init__(
+        self,
+        connection: h11.Connection,
+        stream: trio.abc.Stream,
+        formatter: SseFormatter,
+        *,
+        logprobs: bool,
+        exchange: SentCounter | None,
+    ) -> None:
+        self._connection = connection
+        self._stream = stream
+        self._formatter = formatter
+        self._logprobs = logprobs
+        self._exchange = exchange
+        self.backlog = b""
+        self.failed = False
+        self.idle = False
+
+    def __call__(self, event: DeltaEvent) -> bool:
+        """Write ``event`` now if the connection's task is idle; False to have it queued."""
+        if not self.idle:
+            return False
+        if not (event.text or (self._logprobs and event.token_ids)):
+            return True  # nothing to render (as in a batch)
+        text = self._formatter.delta(event.text, event.token_ids, event.logprobs)
+        try:
+            data = self._connection.send(h11.Data(data=text.encode("utf-8", "replace")))
+            assert data is not None  # h11 returns the bytes of a Data event
+            written = send_some_nowait(self._stream, data)
+        except (h11.LocalProtocolError, trio.BrokenResourceError):
+            self.failed = True
+            self.idle = False
+            return False
+        if self._exchange is not None:
+            self._exchange.sent += written
+        if written < len(data):
+            self.backlog = data[written:]
+            self.idle = False
+        return True
+
+    async def next_batch(
+        self, events: trio.MemoryReceiveChannel[GenerationEvent]
+    ) -> list[GenerationEvent]:
+        """:func:`~.sse.next_batch`, taking deltas directly while it waits on an empty channel.
+
+        Cancellation and backpressure: as :func:`~.sse.next_batch`.
+        """
+        self.idle = not (self.backlog or self.failed or events.statistics().current_buffer_used)
+        try:
+            return await next_batch(events)
+        finally:
+            self.idle = False
+
+    def take_backlog(self) -> bytes:
+        """What a direct write left unwritten; the caller writes it before anything else."""
+        backlog, self.backlog = self.backlog, b""
+        return backlog
