@@ -54,7 +54,7 @@ from epd_actors.protocol import (
     Welcome,
     WorkerStats,
 )
-from epd_actors.protocol.codec import HEADER, FrameDecoder
+from epd_actors.protocol.codec import HEADER, FrameDecoder, encode
 from epd_actors.transport import FramedStream
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
 
@@ -440,6 +440,34 @@ async def test_a_sink_takes_deltas_directly_and_never_out_of_order(
     assert "".join(taken[:2] + texts[:3] + taken[2:] + texts[3:]) == "t0 t1 t2 t3 t4 t5 t6 t7 "
     assert received[-1].finish_reason == "length"  # the terminal delta is always queued
     assert backend.statistics().in_flight == 0
+
+
+@pytest.mark.parametrize("sink_takes", [True, False], ids=["taken", "refused"])
+async def test_the_deltas_of_one_read_reach_the_sink_merged_and_before_the_end(
+    autojump_clock: object, sink_takes: bool
+) -> None:
+    def burst(message: Message) -> list[Message | bytes]:
+        rid = message.request_id
+        deltas = [Delta(rid, token_ids=(n,), text=f"t{n} ") for n in range(3)]
+        end = Delta(rid, finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=3))
+        return [b"".join(encode(m) for m in [*deltas, end])]  # one write, one read
+
+    offered: list[Delta] = []
+
+    def sink(delta: Delta) -> bool:
+        offered.append(delta)
+        return sink_takes
+
+    async with (
+        harness(WorkerLink(RawWorker(burst).serve)) as backend,
+        backend.open_stream(generate("g")) as stream,
+    ):
+        stream.set_sink(sink)
+        received = [delta async for delta in stream]
+    assert [(d.token_ids, d.text) for d in offered] == [((0, 1, 2), "t0 t1 t2 ")]
+    expected = [] if sink_takes else offered  # refused: queued ahead of the end
+    assert received[:-1] == expected
+    assert received[-1].finish_reason == "stop"
 
 
 async def test_error_mid_stream_is_raised_after_the_deltas_before_it(

@@ -110,6 +110,7 @@ from ..protocol import (
     Welcome,
     WorkerStats,
     encode,
+    merge_deltas,
 )
 from ..transport import FramedStream
 from .base import BackendStatus
@@ -453,7 +454,9 @@ class NativeBackend:
 
         Every read proves the worker alive: it pushes the heartbeat watchdog's
         deadline ``heartbeat_timeout_s`` ahead, as a ``Pong`` does.  The frames
-        that came in one read are routed together, with one deadline change.
+        that came in one read are routed together, with one deadline change;
+        the deltas of one read that go to a stream's sink are merged per stream
+        and handed over at the end of the read (:meth:`_hand_over_held`).
         """
         timeout = self.settings.heartbeat_timeout_s
         watchdog = conn.watchdog
@@ -468,13 +471,19 @@ class NativeBackend:
                 )
                 conn.close("the worker closed the connection")
                 return
-            self._dispatch(conn, message)
-            while conn.reason is None:
-                try:
-                    message = framed.receive_nowait()
-                except trio.WouldBlock:
-                    break
+            try:
                 self._dispatch(conn, message)
+                while conn.reason is None:
+                    try:
+                        message = framed.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    self._dispatch(conn, message)
+            finally:
+                # Even when a bad frame ends the connection: what came before it stands.
+                for pending, run in conn.held.items():
+                    self._hand_over(conn, pending, run)
+                conn.held.clear()
 
     def _dispatch(self, conn: _Connection, message: Message) -> None:
         """Route one message (synchronous: the reader never waits on a consumer)."""
@@ -524,16 +533,32 @@ class NativeBackend:
             )
             return
         if pending.direct and type(message) is Delta and message.finish_reason is None:
+            conn.held.setdefault(pending, []).append(message)  # for the end of this read
+            return
+        run = conn.held.pop(pending, None)
+        if run is not None:
+            self._hand_over(conn, pending, run)  # the deltas before this reply go first
+        self._queue(conn, pending, message)
+
+    def _hand_over(self, conn: _Connection, pending: _Pending, run: list[Delta]) -> None:
+        """Give a stream's deltas of one read, merged, to its sink; queue them if it refuses."""
+        delta = merge_deltas(run)
+        if pending.accepting and pending.direct:
             assert pending.sink is not None  # direct is only set with a sink
-            if pending.sink(message):
+            if pending.sink(delta):
                 return
-            pending.direct = False  # queued from now on, until the consumer catches up
+        self._queue(conn, pending, delta)
+
+    def _queue(self, conn: _Connection, pending: _Pending, message: _Reply) -> None:
+        """Queue a reply for the request's consumer; its sink gets nothing until it caught up."""
+        pending.direct = False
+        if not pending.accepting:
+            return
         try:
             pending.send_channel.send_nowait(message)
         except trio.WouldBlock:
             self._overrun(conn, pending)
             return
-        pending.direct = False
         if not isinstance(message, Delta) or message.finish_reason is not None:
             pending.settle()
 

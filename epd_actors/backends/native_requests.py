@@ -165,10 +165,15 @@ class _Outbox:
 
 
 class _Connection:
-    """One welcomed connection: its stream, its outbox, its task scope and heartbeat state."""
+    """One welcomed connection: its stream, its outbox, its task scope and heartbeat state.
+
+    ``held``: the deltas of the read being routed that go to their streams' sinks
+    at the end of the read, merged per stream.
+    """
 
     __slots__ = (
         "framed",
+        "held",
         "nonce",
         "nursery",
         "outbox",
@@ -183,6 +188,7 @@ class _Connection:
         self, framed: FramedStream, welcome: Welcome, *, max_frames: int, max_bytes: int
     ) -> None:
         self.framed = framed
+        self.held: dict[_Pending, list[Delta]] = {}
         self.welcome = welcome
         self.outbox = _Outbox(max_frames=max_frames, max_bytes=max_bytes)
         self.scope = trio.CancelScope()
