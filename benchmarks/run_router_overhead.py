@@ -50,6 +50,7 @@ import math
 import os
 import platform
 import signal
+import subprocess
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -383,6 +384,20 @@ def plot(table: list[dict], standard: int, stem: Path) -> list[str]:
     return written
 
 
+def checkout_name(source: str) -> str:
+    """How results name a baseline checkout: its commit, not where it lies on this machine."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", source, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "another checkout"
+    return f"commit {done.stdout.strip()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so every started process is stopped.
@@ -394,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in filter(None, args.baseline_scenarios.split(",")):
             base = scenarios(args.token_s, step_clock=args.step_clock)[name]
             base.name, base.source = f"{name}@base", source
-            base.description += f" (from {source})"
+            base.description += f" (from {checkout_name(source)})"
             chosen.append(base)
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
     results = Path(args.out_dir)
