@@ -676,8 +676,9 @@ async def test_queued_events_are_coalesced_into_one_write() -> None:
 
 
 async def test_a_direct_delta_the_socket_cannot_take_now_is_written_before_the_next() -> None:
-    """A delta offered while the response's task waits is taken; a memory stream
-    takes nothing without waiting, so it is written, in order, at the next event."""
+    """A delta offered while the response's task waits is rendered; a memory stream
+    takes nothing without waiting, so the delta is refused and queued to wake the
+    response's task, which writes its chunk once, in order."""
     app = ScriptedApp()
     async with connected(app) as client:
         await client.send("POST", "/v1/chat/completions", json_body={**CHAT, "stream": True})
@@ -687,9 +688,13 @@ async def test_a_direct_delta_the_socket_cannot_take_now_is_written_before_the_n
         assert app.direct(delta("early")) is False  # the head is not out yet
         app.feed.send_nowait(delta("a"))
         await trio.testing.wait_all_tasks_blocked()
-        assert app.direct(delta("b")) is True  # the response's task is waiting
-        assert app.direct(delta("c")) is False  # "b" is not written yet: queue behind it
-        app.feed.send_nowait(delta("c"))
+        b = delta("b")
+        assert app.direct(b) is False  # rendered, but nothing written yet
+        app.feed.send_nowait(b)  # as the router does with a refused delta
+        await trio.testing.wait_all_tasks_blocked()  # "b" is out, and nothing else came
+        c = delta("c")
+        assert app.direct(c) is False  # waiting again, but still a memory stream
+        app.feed.send_nowait(c)
         app.feed.send_nowait(done())
         reply = await client.response()
     contents = [

@@ -86,10 +86,18 @@ async def test_what_a_full_socket_did_not_take_waits_for_the_responses_task(pair
         except BlockingIOError:
             break
     writer.idle = True
-    assert writer(DeltaEvent("late", (1,))) is True  # taken, kept for later
+    late = DeltaEvent("late", (1,))
+    assert writer(late) is False  # rendered and kept, but queued to wake the response's task
+    assert writer.written is late
     assert writer.backlog.endswith(b'"text":"late","logprobs":null,"finish_reason":null}]}\n\n\r\n')
     assert not writer.idle
-    assert writer(DeltaEvent("next", (2,))) is False  # queued behind the backlog
+    following = DeltaEvent("next", (2,))
+    assert writer(following) is False  # queued behind the backlog
+    send, receive = trio.open_memory_channel[GenerationEvent](4)
+    send.send_nowait(late)  # as the relay queues what was refused
+    send.send_nowait(following)
+    assert await writer.next_batch(receive) == [following]  # "late" is not rendered twice
+    assert writer.written is None
     backlog = writer.take_backlog()
     assert backlog
     assert not writer.backlog

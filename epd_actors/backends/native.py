@@ -456,7 +456,7 @@ class NativeBackend:
         deadline ``heartbeat_timeout_s`` ahead, as a ``Pong`` does.  The frames
         that came in one read are routed together, with one deadline change;
         the deltas of one read that go to a stream's sink are merged per stream
-        and handed over at the end of the read (:meth:`_hand_over_held`).
+        and handed over at the end of the read (:meth:`_hand_over`).
         """
         timeout = self.settings.heartbeat_timeout_s
         watchdog = conn.watchdog

@@ -497,11 +497,15 @@ class HttpConnection:
                 if final is not None:
                     break
                 text = ""
-                batch = await direct.next_batch(events)
-                if direct.failed:
-                    self.close_after = True
-                    raise ClientGone("the client stopped reading")
-                head = direct.take_backlog()
+                while True:
+                    batch = await direct.next_batch(events)
+                    if direct.failed:
+                        self.close_after = True
+                        raise ClientGone("the client stopped reading")
+                    head = direct.take_backlog()
+                    if batch or not head:
+                        break  # events to render, or the channel ended
+                    await self._write(head)  # only the rest of a direct write
         if isinstance(final, ErrorEvent):
             logger.info("[%s] stream failed: %s", parsed.request_id, final.error)
             self.close_after = True

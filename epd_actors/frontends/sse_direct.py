@@ -16,11 +16,13 @@ Order and ownership: the writer takes a delta only while ``idle``, which the
 connection's task sets just before it waits on an empty channel and clears as
 soon as it runs again; a refusal, a short write or a failure clears it too, so
 once one delta is queued every later one is queued behind it, and the
-connection's task writes them in order.  What the kernel did not take of a
-direct write is kept (``backlog``) and written by the connection's task before
-anything else, when it next wakes: at the next event queued for it, at the
-latest the final one.  A broken socket is recorded (``failed``) and becomes
-``ClientGone`` in the connection's task.  Nothing here blocks or raises.
+connection's task writes them in order.  When the kernel takes only part of
+a direct write (or nothing, as from any stream but a socket), the rest is kept
+(``backlog``) and the delta is refused all the same, so it is queued and wakes
+the connection's task, which writes the backlog -- under its write timeout --
+and skips that event instead of rendering it twice.  A broken socket is
+recorded (``failed``) and becomes ``ClientGone`` in the connection's task.
+Nothing here blocks or raises.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class DirectSseWriter:
         "backlog",
         "failed",
         "idle",
+        "written",
     )
 
     def __init__(
@@ -84,9 +87,14 @@ class DirectSseWriter:
         self.backlog = b""
         self.failed = False
         self.idle = False
+        self.written: DeltaEvent | None = None  # refused, but its chunk is in the backlog
 
     def __call__(self, event: DeltaEvent) -> bool:
-        """Write ``event`` now if the connection's task is idle; False to have it queued."""
+        """Write ``event`` now if the connection's task is idle; False to have it queued.
+
+        False also when the chunk was only partly written: the event is then
+        queued just to wake the connection's task (:meth:`next_batch` drops it).
+        """
         if not self.idle:
             return False
         if not (event.text or (self._logprobs and event.token_ids)):
@@ -104,7 +112,9 @@ class DirectSseWriter:
             self._exchange.sent += written
         if written < len(data):
             self.backlog = data[written:]
+            self.written = event
             self.idle = False
+            return False
         return True
 
     async def next_batch(
@@ -112,13 +122,19 @@ class DirectSseWriter:
     ) -> list[GenerationEvent]:
         """:func:`~.sse.next_batch`, taking deltas directly while it waits on an empty channel.
 
+        The event whose chunk is already in the backlog is left out of the batch.
+
         Cancellation and backpressure: as :func:`~.sse.next_batch`.
         """
         self.idle = not (self.backlog or self.failed or events.statistics().current_buffer_used)
         try:
-            return await next_batch(events)
+            batch = await next_batch(events)
         finally:
             self.idle = False
+        written, self.written = self.written, None
+        if written is not None and batch and batch[0] is written:
+            del batch[0]
+        return batch
 
     def take_backlog(self) -> bytes:
         """What a direct write left unwritten; the caller writes it before anything else."""
