@@ -470,6 +470,34 @@ async def test_the_deltas_of_one_read_reach_the_sink_merged_and_before_the_end(
     assert received[-1].finish_reason == "stop"
 
 
+async def test_deltas_of_one_read_are_not_merged_when_that_would_drop_logprobs(
+    autojump_clock: object,
+) -> None:
+    def burst(message: Message) -> list[Message | bytes]:
+        rid = message.request_id
+        frames = [
+            Delta(rid, token_ids=(0,), text="a", logprobs=(-0.5,)),
+            Delta(rid, token_ids=(1,), text="b"),
+            Delta(rid, finish_reason="stop"),
+        ]
+        return [b"".join(encode(m) for m in frames)]
+
+    offered: list[Delta] = []
+
+    def sink(delta: Delta) -> bool:
+        offered.append(delta)
+        return True
+
+    async with (
+        harness(WorkerLink(RawWorker(burst).serve)) as backend,
+        backend.open_stream(generate("g")) as stream,
+    ):
+        stream.set_sink(sink)
+        async for _ in stream:
+            pass
+    assert [(d.text, d.logprobs) for d in offered] == [("a", (-0.5,)), ("b", None)]
+
+
 async def test_error_mid_stream_is_raised_after_the_deltas_before_it(
     autojump_clock: object,
 ) -> None:

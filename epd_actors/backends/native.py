@@ -541,13 +541,19 @@ class NativeBackend:
         self._queue(conn, pending, message)
 
     def _hand_over(self, conn: _Connection, pending: _Pending, run: list[Delta]) -> None:
-        """Give a stream's deltas of one read, merged, to its sink; queue them if it refuses."""
-        delta = merge_deltas(run)
-        if pending.accepting and pending.direct:
-            assert pending.sink is not None  # direct is only set with a sink
-            if pending.sink(delta):
-                return
-        self._queue(conn, pending, delta)
+        """Give a stream's deltas of one read, merged, to its sink; queue what it refuses.
+
+        They are merged only when every one with tokens has log-probabilities, or
+        none has: a merge would drop them all (how a read splits a stream must
+        not change what the caller gets).
+        """
+        with_logprobs = {d.logprobs is not None for d in run if d.token_ids}
+        for delta in run if len(with_logprobs) > 1 else (merge_deltas(run),):
+            if pending.accepting and pending.direct:
+                assert pending.sink is not None  # direct is only set with a sink
+                if pending.sink(delta):
+                    continue
+            self._queue(conn, pending, delta)
 
     def _queue(self, conn: _Connection, pending: _Pending, message: _Reply) -> None:
         """Queue a reply for the request's consumer; its sink gets nothing until it caught up."""
