@@ -11,7 +11,16 @@ supervisor's bookkeeping (first-token time, tokens so far) as it goes.  The
 job's final delta still travels on the job's reply channel, so the supervisor
 sees the end of the stage, takes over the job's compensations and sends the
 usage and done events after the last ``DeltaEvent``: the order the caller sees
-is the order the worker produced.
+is the order the worker produced.  The supervisor closes the relay
+(:meth:`OutputRelay.close`) when it is done with the job, before it sends
+anything else, so a delta of a job being cancelled never follows that.
+
+Who calls it: the job's task (:meth:`OutputRelay.offer`, :meth:`OutputRelay.put`),
+or, while that task waits with nothing queued, the backend's reader on its
+behalf (:meth:`OutputRelay.sink`, never raising).  The caller may take each
+``DeltaEvent`` itself before it is queued (``direct``, see
+:data:`~epd_actors.request.DirectDeltas`), which the HTTP front end does to
+write the token to its client at once.
 
 Deadlines: the relay notes when the last delta passed (``last_delta_at``) and
 whether it is waiting for the caller (``waiting_for_caller``).  The supervisor,
