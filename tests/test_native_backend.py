@@ -442,15 +442,18 @@ async def test_a_sink_takes_deltas_directly_and_never_out_of_order(
     assert backend.statistics().in_flight == 0
 
 
-@pytest.mark.parametrize("sink_takes", [True, False], ids=["taken", "refused"])
-async def test_the_deltas_of_one_read_reach_the_sink_merged_and_before_the_end(
-    autojump_clock: object, sink_takes: bool
-) -> None:
-    def burst(message: Message) -> list[Message | bytes]:
+async def stream_one_read(
+    frames: list[Delta], *, sink_takes: bool
+) -> tuple[list[Delta], list[Delta]]:
+    """Stream a request whose worker answers with ``frames`` (their request ids set)
+    in one write, through a sink that takes (or refuses) every delta it is offered.
+
+    Returns what the sink was offered and what the stream's reader received.
+    """
+
+    def one_write(message: Message) -> list[Message | bytes]:
         rid = message.request_id
-        deltas = [Delta(rid, token_ids=(n,), text=f"t{n} ") for n in range(3)]
-        end = Delta(rid, finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=3))
-        return [b"".join(encode(m) for m in [*deltas, end])]  # one write, one read
+        return [b"".join(encode(replace(frame, request_id=rid)) for frame in frames)]
 
     offered: list[Delta] = []
 
@@ -459,11 +462,21 @@ async def test_the_deltas_of_one_read_reach_the_sink_merged_and_before_the_end(
         return sink_takes
 
     async with (
-        harness(WorkerLink(RawWorker(burst).serve)) as backend,
+        harness(WorkerLink(RawWorker(one_write).serve)) as backend,
         backend.open_stream(generate("g")) as stream,
     ):
         stream.set_sink(sink)
         received = [delta async for delta in stream]
+    return offered, received
+
+
+@pytest.mark.parametrize("sink_takes", [True, False], ids=["taken", "refused"])
+async def test_the_deltas_of_one_read_reach_the_sink_merged_and_before_the_end(
+    autojump_clock: object, sink_takes: bool
+) -> None:
+    deltas = [Delta("", token_ids=(n,), text=f"t{n} ") for n in range(3)]
+    end = Delta("", finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=3))
+    offered, received = await stream_one_read([*deltas, end], sink_takes=sink_takes)
     assert [(d.token_ids, d.text) for d in offered] == [((0, 1, 2), "t0 t1 t2 ")]
     expected = [] if sink_takes else offered  # refused: queued ahead of the end
     assert received[:-1] == expected
@@ -473,28 +486,12 @@ async def test_the_deltas_of_one_read_reach_the_sink_merged_and_before_the_end(
 async def test_deltas_of_one_read_are_not_merged_when_that_would_drop_logprobs(
     autojump_clock: object,
 ) -> None:
-    def burst(message: Message) -> list[Message | bytes]:
-        rid = message.request_id
-        frames = [
-            Delta(rid, token_ids=(0,), text="a", logprobs=(-0.5,)),
-            Delta(rid, token_ids=(1,), text="b"),
-            Delta(rid, finish_reason="stop"),
-        ]
-        return [b"".join(encode(m) for m in frames)]
-
-    offered: list[Delta] = []
-
-    def sink(delta: Delta) -> bool:
-        offered.append(delta)
-        return True
-
-    async with (
-        harness(WorkerLink(RawWorker(burst).serve)) as backend,
-        backend.open_stream(generate("g")) as stream,
-    ):
-        stream.set_sink(sink)
-        async for _ in stream:
-            pass
+    frames = [
+        Delta("", token_ids=(0,), text="a", logprobs=(-0.5,)),
+        Delta("", token_ids=(1,), text="b"),
+        Delta("", finish_reason="stop"),
+    ]
+    offered, _ = await stream_one_read(frames, sink_takes=True)
     assert [(d.text, d.logprobs) for d in offered] == [("a", (-0.5,)), ("b", None)]
 
 

@@ -50,7 +50,7 @@ from .streams import Seen, consume, run_one
 from .wire_fleet import WireFleet, open_wire_router
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from epd_actors.backends.native import NativeBackend
     from epd_actors.router import Router
@@ -103,6 +103,30 @@ async def assert_no_leaks(fleet: WireFleet, router: Router) -> float:
 IDLE = WorkerStats(running=0, queued=0, draining=False, engine_ready=True)
 
 
+async def serve_as_decoder(
+    stream: trio.abc.Stream,
+    worker_id: str,
+    on_generate: Callable[[trio.abc.Stream, FramedStream, GenerateRequest], Awaitable[bool]],
+) -> None:
+    """Welcome the router as decode worker ``worker_id``, answer its pings, and hand
+    each generate request to ``on_generate`` (True: hang up)."""
+    framed = FramedStream(stream, peer="router")
+    try:
+        assert isinstance(await framed.receive(), Hello)
+        await framed.send(Welcome(PROTOCOL_VERSION, worker_id, "decode", "sim-model"))
+        while (message := await framed.receive()) is not None:
+            if isinstance(message, Ping):
+                await framed.send(Pong(message.nonce, IDLE))
+            elif isinstance(message, GenerateRequest) and await on_generate(
+                stream, framed, message
+            ):
+                return
+    except (ConnectionLost, trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        await framed.aclose()
+
+
 class BadWorker:
     """Welcomes, answers pings, holds the first generate request and answers the
     second with ``fault`` (raw bytes, or a message written with the codec)."""
@@ -112,24 +136,18 @@ class BadWorker:
         self.held = 0
 
     async def serve(self, stream: trio.abc.Stream) -> None:
-        framed = FramedStream(stream, peer="router")
-        try:
-            assert isinstance(await framed.receive(), Hello)
-            await framed.send(Welcome(PROTOCOL_VERSION, "bad", "decode", "sim-model"))
-            while (message := await framed.receive()) is not None:
-                if isinstance(message, Ping):
-                    await framed.send(Pong(message.nonce, IDLE))
-                elif isinstance(message, GenerateRequest):
-                    self.held += 1
-                    if self.held == 2:
-                        if isinstance(self.fault, bytes):
-                            await stream.send_all(self.fault)
-                        else:
-                            await framed.send(self.fault())  # type: ignore[arg-type]
-        except (ConnectionLost, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        finally:
-            await framed.aclose()
+        await serve_as_decoder(stream, "bad", self._on_generate)
+
+    async def _on_generate(
+        self, stream: trio.abc.Stream, framed: FramedStream, message: GenerateRequest
+    ) -> bool:
+        self.held += 1
+        if self.held == 2:
+            if isinstance(self.fault, bytes):
+                await stream.send_all(self.fault)
+            else:
+                await framed.send(self.fault())  # type: ignore[arg-type]
+        return False
 
 
 FAULTS: dict[str, bytes | Callable[[], object]] = {
@@ -282,20 +300,16 @@ async def test_a_stalled_worker_is_cut_off_by_the_deadline_and_sees_the_abort(
 
 async def three_tokens_then_hang_up(stream: trio.abc.Stream) -> None:
     """A decode worker that streams three tokens of its first request and then vanishes."""
-    framed = FramedStream(stream, peer="router")
-    try:
-        assert isinstance(await framed.receive(), Hello)
-        await framed.send(Welcome(PROTOCOL_VERSION, "dies", "decode", "sim-model"))
-        while (message := await framed.receive()) is not None:
-            if isinstance(message, Ping):
-                await framed.send(Pong(message.nonce, IDLE))
-            elif isinstance(message, GenerateRequest):
-                for n in range(3):
-                    await trio.sleep(0.25)
-                    await framed.send(Delta(message.request_id, token_ids=(n,), text=f"t{n} "))
-                return
-    finally:
-        await framed.aclose()
+
+    async def three_tokens(
+        stream: trio.abc.Stream, framed: FramedStream, message: GenerateRequest
+    ) -> bool:
+        for n in range(3):
+            await trio.sleep(0.25)
+            await framed.send(Delta(message.request_id, token_ids=(n,), text=f"t{n} "))
+        return True
+
+    await serve_as_decoder(stream, "dies", three_tokens)
 
 
 async def test_a_stream_that_dies_after_tokens_handed_straight_to_the_caller_is_not_retried(
