@@ -547,8 +547,8 @@ class NativeBackend:
         none has: a merge would drop them all (how a read splits a stream must
         not change what the caller gets).
         """
-        with_logprobs = {d.logprobs is not None for d in run if d.token_ids}
-        for delta in run if len(with_logprobs) > 1 else (merge_deltas(run),):
+        mixed = len(run) > 1 and len({d.logprobs is None for d in run if d.token_ids}) > 1
+        for delta in run if mixed else (merge_deltas(run),):
             if pending.accepting and pending.direct:
                 assert pending.sink is not None  # direct is only set with a sink
                 if pending.sink(delta):
