@@ -840,6 +840,27 @@ async def test_a_stream_fails_soon_after_its_worker_goes_down() -> None:
             assert not backend.status().ready
 
 
+async def test_a_stream_not_reading_when_its_worker_goes_down_fails_on_its_next_read() -> None:
+    settings = OpenAIHttpSettings(health_interval_s=0.02, failures_to_down=2)
+    configs = {"pd": SimConfig(stall_after_tokens=2, output_token_s=0.001)}
+    async with sim_http_fleet({"pd": 1}, configs=configs) as fleet:
+        factory = OpenAIHttpBackendFactory(settings)
+        async with running_backend(fleet, "pd-0", factory) as backend:
+            request = GenerateRequest(
+                "idle-reader", Prompt(text="x"), sampling=SamplingParams(max_tokens=50)
+            )
+            with trio.fail_after(5):
+                async with backend.open_stream(request) as stream:
+                    assert (await stream.receive()).text
+                    fleet.engine("pd-0").wedge()
+                    # Probe-driven on the real clock, while nobody reads the stream.
+                    while backend.status().ready:  # noqa: ASYNC110 -- /health now fails
+                        await trio.sleep(0.01)
+                    with pytest.raises(WorkerDisconnected, match="went down"):
+                        await read_to_the_end(stream)
+            assert backend.statistics().in_flight == 0
+
+
 async def read_to_the_end(stream: OpenAIHttpDeltaStream) -> None:
     while True:
         await stream.receive()

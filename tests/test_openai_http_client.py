@@ -245,6 +245,39 @@ async def test_limits_and_timeouts() -> None:
         await client.aclose()
 
 
+async def test_a_request_larger_than_the_socket_takes_at_once_is_written_in_full() -> None:
+    body = bytes(range(256)) * (64 * 1024)  # 16 MiB: more than loopback buffers hold
+    reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+    async def answer_ok(stream: trio.SocketStream, request: bytes) -> bool:
+        await stream.send_all(reply)
+        return True
+
+    async with canned_server(answer_ok) as (url, seen):
+        client = WorkerHttpClient(url, LIMITS)
+        response = await client.request("POST", "/big", body)
+        assert await response.read_all(10) == b"ok"
+        await response.aclose()
+        await client.aclose()
+    assert seen[0].partition(b"\r\n\r\n")[2] == body
+
+    async def never_reads(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    quick = ClientLimits(write_timeout_s=0.05)
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            (listener,) = await nursery.start(
+                functools.partial(trio.serve_tcp, never_reads, 0, host="127.0.0.1")
+            )
+            port = listener.socket.getsockname()[1]
+            client = WorkerHttpClient(f"http://127.0.0.1:{port}", quick)
+            with pytest.raises(RequestTimeout, match="sending"):
+                await client.request("POST", "/big", body)
+            await client.aclose()
+            nursery.cancel_scope.cancel(reason="test done")
+
+
 async def test_no_server_is_a_connect_failure() -> None:
     with trio.socket.socket() as probe:
         await probe.bind(("127.0.0.1", 0))

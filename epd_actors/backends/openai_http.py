@@ -159,18 +159,31 @@ class OpenAIHttpDeltaStream:
         self._reply = reply
         self._decoder = SseDecoder(backend.settings.max_event_bytes)
         self._parser = DeltaParser(call.request_id, chat=call.chat)
+        self._down: str | None = None  # why the worker was declared down mid-stream
 
     @property
     def finished(self) -> bool:
         """Whether the terminal delta has been returned."""
         return self._parser.terminal_sent
 
+    def abandon(self, why: str) -> None:
+        """The worker is down: close the connection, so the stream's next read fails.
+
+        A server can keep a stream's connection open after its engine died
+        (vLLM does on shutdown); the health probes notice, and this ends the
+        stream then rather than after the read or inter-token timeout.
+        Called from the backend's health task; never waits.
+        """
+        if self._down is None:
+            self._down = why
+            self._reply.close_now()
+
     async def receive(self) -> Delta:
         """The next delta; ``trio.EndOfChannel`` after the terminal one.
 
         Raises:
-            WorkerDisconnected: the connection broke, or the stream ended
-                without a finish reason.
+            WorkerDisconnected: the connection broke, the worker was declared
+                down (:meth:`abandon`), or the stream ended without a finish reason.
             RemoteWorkerError: vLLM reported an error in the stream
                 (``engine_error``), a timeout, or a malformed chunk.
 
@@ -178,50 +191,54 @@ class OpenAIHttpDeltaStream:
         """
         if self._parser.terminal_sent:
             raise trio.EndOfChannel
-        backend, request_id = self._backend, self._call.request_id
         while True:
             delta = self._parser.take()
             if delta is not None:
                 return delta
-            with backend._mapped("generate", request_id):
-                with trio.CancelScope() as watch:
-                    backend._stream_scopes.add(watch)
-                    try:
-                        chunk = await self._reply.next_chunk()
-                    finally:
-                        backend._stream_scopes.discard(watch)
-                if watch.cancelled_caught:
-                    raise WorkerDisconnected(
-                        f"worker {backend.worker_id} went down (health probes) while "
-                        f"streaming {request_id!r}"
-                    )
-                if chunk is None:
-                    final = self._parser.end_of_stream()
-                    if final is None:
-                        raise WorkerDisconnected(
-                            f"worker {backend.worker_id} ended the stream of {request_id!r} "
-                            "without a finish reason"
-                        )
-                    return final
-                try:
-                    self._parser.feed(self._decoder.feed(chunk))
-                except StreamFailed as exc:
-                    backend._request_failures += 1
-                    raise RemoteWorkerError(
-                        ErrorCode.ENGINE_ERROR,
-                        str(exc),
-                        retryable=True,
-                        worker_id=backend.worker_id,
-                        stage="generate",
-                        request_id=request_id,
-                    ) from None
+            try:
+                chunk = await self._reply.next_chunk()
+            except HttpClientError as exc:
+                raise self._failure(exc) from exc
+            if chunk is None:
+                return self._end()
+            try:
+                self._parser.feed(self._decoder.feed(chunk))
+            except StreamFailed as exc:
+                backend = self._backend
+                backend._request_failures += 1
+                raise RemoteWorkerError(
+                    ErrorCode.ENGINE_ERROR,
+                    str(exc),
+                    retryable=True,
+                    worker_id=backend.worker_id,
+                    stage="generate",
+                    request_id=self._call.request_id,
+                ) from None
+
+    def _failure(self, exc: HttpClientError) -> WorkerDisconnected | RemoteWorkerError:
+        backend, request_id = self._backend, self._call.request_id
+        if self._down is not None:
+            return WorkerDisconnected(
+                f"worker {backend.worker_id} went down (health probes) while streaming "
+                f"{request_id!r}: {self._down}"
+            )
+        return backend._translate(exc, "generate", request_id)
+
+    def _end(self) -> Delta:
+        final = self._parser.end_of_stream()
+        if final is None:
+            raise WorkerDisconnected(
+                f"worker {self._backend.worker_id} ended the stream of "
+                f"{self._call.request_id!r} without a finish reason"
+            )
+        return final
 
 
 class _ErrorScope:
     """A context that re-raises HTTP client and contract errors as the router's errors.
 
-    A plain class rather than a generator-based context manager: one is
-    entered per network read of a stream.
+    A plain class rather than a generator-based context manager: several are
+    entered per request.
     """
 
     __slots__ = ("_backend", "_request_id", "_stage")
@@ -287,7 +304,7 @@ class OpenAIHttpBackend:
             failures_to_down=settings.failures_to_down, successes_to_up=settings.successes_to_up
         )
         self._changed = trio.Event()
-        self._stream_scopes: set[trio.CancelScope] = set()  # streams waiting for bytes
+        self._streams: set[OpenAIHttpDeltaStream] = set()  # open generate streams
         self._in_flight = 0
         self._aborts_sent = 0  # requests closed before their answer (vLLM aborts them)
         self._probes = 0
@@ -442,8 +459,8 @@ class OpenAIHttpBackend:
             # A server can keep a stream's connection open after its engine
             # died (vLLM does on shutdown): fail such streams now rather than
             # after the inter-token deadline.
-            for scope in list(self._stream_scopes):
-                scope.cancel(reason=f"worker {self.worker_id} is down: {why}")
+            for stream in list(self._streams):
+                stream.abandon(why)
 
     def _set_down(self, why: str, *, expected: bool = False) -> None:
         if self._reachable.force_down() | self._healthy.force_down():
@@ -628,9 +645,11 @@ class OpenAIHttpBackend:
                     # itself, also when D is aborted (NIXL notifies P).
                     self.ledger.delivered(kv)
                 stream = OpenAIHttpDeltaStream(self, call, reply)
+                self._streams.add(stream)
                 try:
                     yield stream
                 finally:
+                    self._streams.discard(stream)
                     finished = stream.finished
                     if not finished:
                         self._aborts_sent += 1
