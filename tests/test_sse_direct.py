@@ -16,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 
+from epd_actors.frontends.http_body import body_framer
 from epd_actors.frontends.openai_format import SseFormatter
 from epd_actors.frontends.sse_direct import DirectSseWriter
 from epd_actors.request import DeltaEvent, GenerationEvent
@@ -40,9 +41,8 @@ def streaming_response() -> h11.Connection:
 
 def writer_on(stream: trio.abc.Stream, exchange: Sent | None = None) -> DirectSseWriter:
     formatter = SseFormatter("completion", request_id="r", model="m", created=0)
-    return DirectSseWriter(
-        streaming_response(), stream, formatter, logprobs=False, exchange=exchange
-    )
+    frame = body_framer(streaming_response())
+    return DirectSseWriter(frame, stream, formatter, logprobs=False, exchange=exchange)
 
 
 Pair = tuple[trio.SocketStream, trio.SocketStream]

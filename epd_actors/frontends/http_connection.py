@@ -51,6 +51,7 @@ from .._groups import single_exception
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
 from ..transport import send_some_nowait
+from .http_body import body_framer
 from .http_errors import HttpError, error_response
 from .media import resolve_media
 from .openai_format import SseFormatter, error_body, logprobs_body, response_body, unix_time
@@ -475,8 +476,9 @@ class HttpConnection:
         )
         # Once the head is out, deltas that find this task waiting are written
         # by the task that produced them (see sse_direct).
+        frame = body_framer(self.h11)
         direct = DirectSseWriter(
-            self.h11, self.stream, formatter, logprobs=parsed.logprobs, exchange=self.exchange
+            frame, self.stream, formatter, logprobs=parsed.logprobs, exchange=self.exchange
         )
         async with self.app.generate(parsed.request, direct=direct) as events:
             batch = await next_batch(events)
@@ -489,7 +491,7 @@ class HttpConnection:
             text = formatter.start()
             while True:
                 more, final = render_batch(formatter, batch, parsed)
-                data = head + self.h11.send(h11.Data(data=(text + more).encode("utf-8", "replace")))
+                data = head + frame((text + more).encode("utf-8", "replace"))
                 if final is not None:
                     data += self.h11.send(h11.EndOfMessage())
                 if data:

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-import h11
 import trio
 
 from ..transport import send_some_nowait
 from .sse import next_batch
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..request import DeltaEvent, GenerationEvent
     from .openai_format import SseFormatter
 
@@ -50,7 +51,7 @@ class DirectSseWriter:
     """A streaming response's direct writer (see the module docstring).
 
     Args:
-        connection: the response's h11 connection; its head was already sent.
+        frame: frames a piece of the response's body (:func:`~.http_body.body_framer`).
         stream: the client's stream.
         formatter: renders one delta as SSE text.
         logprobs: the request asked for log-probabilities (a delta without
@@ -59,9 +60,9 @@ class DirectSseWriter:
     """
 
     __slots__ = (
-        "_connection",
         "_exchange",
         "_formatter",
+        "_frame",
         "_logprobs",
         "_stream",
         "backlog",
@@ -72,14 +73,14 @@ class DirectSseWriter:
 
     def __init__(
         self,
-        connection: h11.Connection,
+        frame: Callable[[bytes], bytes],
         stream: trio.abc.Stream,
         formatter: SseFormatter,
         *,
         logprobs: bool,
         exchange: SentCounter | None,
     ) -> None:
-        self._connection = connection
+        self._frame = frame
         self._stream = stream
         self._formatter = formatter
         self._logprobs = logprobs
@@ -100,11 +101,10 @@ class DirectSseWriter:
         if not (event.text or (self._logprobs and event.token_ids)):
             return True  # nothing to render (as in a batch)
         text = self._formatter.delta(event.text, event.token_ids, event.logprobs)
+        data = self._frame(text.encode("utf-8", "replace"))
         try:
-            data = self._connection.send(h11.Data(data=text.encode("utf-8", "replace")))
-            assert data is not None  # h11 returns the bytes of a Data event
             written = send_some_nowait(self._stream, data)
-        except (h11.LocalProtocolError, trio.BrokenResourceError):
+        except trio.BrokenResourceError:
             self.failed = True
             self.idle = False
             return False
