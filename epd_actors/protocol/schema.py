@@ -204,12 +204,20 @@ class _Field:
     emit: Emitter
     required: bool
     nullable: bool  # ``None`` is valid as it is: no call to ``check`` for it
+    exact: type | None  # a value of exactly this type is valid as it is (str, int, bool, bytes)
+    omit_none: bool  # the default is ``None``: a ``None`` value is left off the wire
 
 
 class Struct:
-    """The compiled wire form of one dataclass: check (map -> instance) and emit."""
+    """The compiled wire form of one dataclass: check (map -> instance) and emit.
 
-    __slots__ = ("allowed", "cls", "fields", "names", "plan", "tag")
+    Decoding walks the keys the map has (not every field the class has), and
+    takes a value whose type is exactly the field's scalar type without a
+    call; encoding leaves off a field whose value is ``None`` when that is
+    its default, which a receiver reads back as the same value.
+    """
+
+    __slots__ = ("allowed", "cls", "fields", "names", "required", "specs", "tag")
 
     def __init__(self, cls: type, fields: tuple[_Field, ...], tag: str | None) -> None:
         self.cls = cls
@@ -217,10 +225,11 @@ class Struct:
         self.names = frozenset(f.name for f in fields)
         # Only a tagged (top-level) struct carries the ``type`` key.
         self.allowed = self.names if tag is None else self.names | {"type"}
+        self.required = frozenset(f.name for f in fields if f.required)
         self.tag = tag
         # Per field, what the check loop needs, with the field's path in a
         # top-level message (whose path is its tag) built once, not per frame.
-        self.plan = tuple((f, f"{tag}.{f.name}") for f in fields)
+        self.specs = {f.name: (f.exact, f.nullable, f.check, f"{tag}.{f.name}") for f in fields}
 
     def check(self, value: object, path: str) -> object:
         """Validate a decoded map and build the dataclass instance."""
@@ -231,16 +240,20 @@ class Struct:
             unknown = next(key for key in data if key not in self.allowed)
             raise RemoteProtocolError(f"{path}: unknown field {unknown!r}")
         tagged = path == self.tag
+        specs = self.specs
         kwargs: dict[str, object] = {}
-        for field, tagged_path in self.plan:
-            name = field.name
-            item = data.get(name, _MISSING)
-            if item is None and field.nullable:
-                kwargs[name] = None
-            elif item is not _MISSING:
-                kwargs[name] = field.check(item, tagged_path if tagged else f"{path}.{name}")
-            elif field.required:
-                raise RemoteProtocolError(f"{path}: missing field {name!r}")
+        for name, item in data.items():
+            spec = specs.get(name)
+            if spec is None:
+                continue  # the ``type`` tag
+            exact, nullable, check, tagged_path = spec
+            if type(item) is exact or (item is None and nullable):
+                kwargs[name] = item
+            else:
+                kwargs[name] = check(item, tagged_path if tagged else f"{path}.{name}")
+        if not self.required.issubset(data):
+            missing = next(f.name for f in self.fields if f.required and f.name not in data)
+            raise RemoteProtocolError(f"{path}: missing field {missing!r}")
         try:
             return self.cls(**kwargs)
         except LocalProtocolError as exc:
@@ -250,7 +263,10 @@ class Struct:
         """Turn an instance into a msgpack-native map (with its ``type`` tag, if any)."""
         out: dict[str, object] = {} if self.tag is None else {"type": self.tag}
         for field in self.fields:
-            out[field.name] = field.emit(getattr(value, field.name))
+            item = getattr(value, field.name)
+            if item is None and field.omit_none:
+                continue
+            out[field.name] = field.emit(item)
         return out
 
 
@@ -268,8 +284,14 @@ def compile_struct(cls: type, tag: str | None = None) -> Struct:
         annotation = hints[f.name]
         check, emit = _compile(annotation)
         required = f.default is _MISSING and f.default_factory is _MISSING
-        nullable = type(None) in typing.get_args(annotation)
-        fields.append(_Field(f.name, check, emit, required, nullable))
+        members = typing.get_args(annotation)
+        nullable = type(None) in members
+        scalar = annotation
+        if nullable and len(members) == 2:
+            scalar = next(m for m in members if m is not type(None))
+        exact = scalar if scalar in (str, int, bool, bytes) else None
+        omit_none = nullable and f.default is None
+        fields.append(_Field(f.name, check, emit, required, nullable, exact, omit_none))
     struct = Struct(cls, tuple(fields), tag)
     _STRUCTS[cls] = struct
     return struct
