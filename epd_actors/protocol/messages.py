@@ -26,6 +26,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..errors import LocalProtocolError
 from .schema import Struct, compile_struct, require
 
 PROTOCOL_VERSION = 1
@@ -264,10 +265,9 @@ class Delta:
     timings: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
-        require(
-            self.logprobs is None or len(self.logprobs) == len(self.token_ids),
-            "logprobs needs one entry per token id",
-        )
+        # Tested inline rather than through ``require``: one is built per token.
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise LocalProtocolError("logprobs needs one entry per token id")
 
 
 @dataclass(frozen=True, slots=True)

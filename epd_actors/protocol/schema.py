@@ -176,17 +176,16 @@ def _compile_tuple(item: object) -> tuple[Checker, Emitter]:
     # which names the bad item, runs only when that finds a mismatch.
     exact = item if item in (int, str, bool, bytes) else None
 
-    def check(value: object, path: str) -> object:
+    def check(value: Any, path: str) -> object:  # Any: no cast call per array
         if type(value) not in (tuple, list):
             _fail(path, "array", value)
-        items = typing.cast("list[object]", value)
         if exact is not None:
-            for v in items:  # a plain loop: no generator to set up for a short array
+            for v in value:  # a plain loop: no generator to set up for a short array
                 if type(v) is not exact:
                     break
             else:
-                return tuple(items)
-        return tuple(item_check(v, f"{path}[{i}]") for i, v in enumerate(items))
+                return tuple(value)
+        return tuple(item_check(v, f"{path}[{i}]") for i, v in enumerate(value))
 
     if item_emit is _identity:
         return check, _identity
@@ -231,11 +230,10 @@ class Struct:
         # top-level message (whose path is its tag) built once, not per frame.
         self.specs = {f.name: (f.exact, f.nullable, f.check, f"{tag}.{f.name}") for f in fields}
 
-    def check(self, value: object, path: str) -> object:
+    def check(self, data: Any, path: str) -> object:
         """Validate a decoded map and build the dataclass instance."""
-        if type(value) is not dict:
-            _fail(path, "map", value)
-        data = typing.cast("dict[str, object]", value)
+        if type(data) is not dict:
+            _fail(path, "map", data)
         if not self.allowed.issuperset(data):
             unknown = next(key for key in data if key not in self.allowed)
             raise RemoteProtocolError(f"{path}: unknown field {unknown!r}")
