@@ -38,7 +38,9 @@ from epd_actors.backends.openai_http_contract import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     DeltaParser,
+    ReplyError,
     SseDecoder,
+    SseEvent,
     StreamFailed,
     openai_request,
     prefill_body,
@@ -380,6 +382,39 @@ def test_sse_stream_becomes_deltas_with_one_terminal(step: int) -> None:
     assert parser.take() is None
     if step == len(STREAM):
         assert len(deltas) == 1  # one network read, one delta
+
+
+def test_sse_fields_the_decoder_reads_and_skips() -> None:
+    decoder = SseDecoder(1024)
+    events = decoder.feed(
+        b"retry: 10\nid: 7\n: note\nevent: error\ndata: first\ndata\ndata:last\r\n\r\n\n\ndata: {}"
+    )
+    assert events == [SseEvent("error", "first\n\nlast")]  # blank lines alone end nothing
+    assert decoder.feed(b"\n\n") == [SseEvent("", "{}")]
+    with pytest.raises(ReplyError, match="UTF-8"):
+        SseDecoder(1024).feed(b"data: \xff\n\n")
+
+
+@pytest.mark.parametrize(
+    ("data", "text"),
+    [
+        (b' {"choices":[{"text":"a"}]}', "a"),  # leading whitespace: json.loads' path
+        (b'{"choices":[{"text":"b"}]} \t', "b"),  # trailing whitespace is allowed
+    ],
+)
+def test_stream_chunks_parse_as_json_loads_would(data: bytes, text: str) -> None:
+    parser = DeltaParser("r", chat=False)
+    parser.feed(SseDecoder(1024).feed(b"data: " + data + b"\n\n"))
+    delta = parser.take()
+    assert delta is not None
+    assert delta.text == text
+
+
+@pytest.mark.parametrize("data", [b'{"choices":[]} x', b'{"choices":', b"[1]", b"nope"])
+def test_a_stream_chunk_that_is_not_one_json_object_is_refused(data: bytes) -> None:
+    parser = DeltaParser("r", chat=False)
+    with pytest.raises(ReplyError, match="JSON"):
+        parser.feed(SseDecoder(1024).feed(b"data: " + data + b"\n\n"))
 
 
 def test_sse_errors_and_limits() -> None:

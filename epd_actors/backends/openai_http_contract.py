@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import json
+import json.scanner
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -64,6 +65,10 @@ COMPLETIONS_PATH: Final = "/v1/completions"
 _DATA_URL_PARTS: Final = {"image": "image_url", "audio": "audio_url", "video": "video_url"}
 _INPUT_AUDIO_FORMATS: Final = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/mpeg": "mp3"}
 _DONE: Final = "[DONE]"
+_JSON_WHITESPACE: Final = " \t\n\r"
+# typeshed names the scanner class as make_scanner's argument; it takes a decoder.
+_SCAN_JSON: Final = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+"""The JSON decoder's own scanner: one value from a position, without ``loads``' wrapping."""
 
 JsonObject = dict[str, object]
 
@@ -331,6 +336,24 @@ def json_object(data: bytes | str) -> JsonObject:
     return value
 
 
+def _event_object(text: str) -> JsonObject:
+    """:func:`json_object` for one stream event, skipping ``json.loads``' layers.
+
+    An event's data is a JSON object starting with ``{``; anything else, and
+    every error, takes :func:`json_object`'s path, so the result and the
+    error raised are the same.
+    """
+    if text[:1] == "{":
+        try:
+            value, end = _SCAN_JSON(text, 0)
+        except (ValueError, StopIteration):
+            pass
+        else:
+            if end == len(text) or not text[end:].strip(_JSON_WHITESPACE):
+                return value  # type: ignore[no-any-return]
+    return json_object(text)
+
+
 def _optional_object(reply: Mapping[str, object], key: str) -> JsonObject | None:
     value = reply.get(key)
     if value is None or isinstance(value, dict):
@@ -426,51 +449,52 @@ class SseDecoder:
     def feed(self, chunk: bytes) -> list[SseEvent]:
         """The events completed by ``chunk``.
 
+        The complete lines are split in one call; a ``data`` line, nearly
+        every line of a stream, is handled inline.
+
         Raises:
             ReplyError: a line or an event over the limit, or bytes that are not UTF-8.
         """
-        self._buffer += chunk
-        events: list[SseEvent] = []
-        start = 0
         buffer = self._buffer
-        while True:
-            end = buffer.find(b"\n", start)
-            if end < 0:
-                break
-            line = bytes(buffer[start:end]).rstrip(b"\r")
-            start = end + 1
-            event = self._line(line)
-            if event is not None:
-                events.append(event)
-        del buffer[:start]
+        buffer += chunk
+        cut = buffer.rfind(b"\n") + 1
+        lines = buffer[:cut].split(b"\n") if cut else []
+        del buffer[:cut]
         if len(buffer) > self.max_event_bytes:
             raise ReplyError(f"a server-sent event line exceeds {self.max_event_bytes} bytes")
+        if lines:
+            lines.pop()  # what follows the last line break: nothing
+        events: list[SseEvent] = []
+        for line in lines:
+            if line[-1:] == b"\r":
+                line = line.rstrip(b"\r")
+            if line[:5] == b"data:":
+                value = line[6:] if line[5:6] == b" " else line[5:]
+                self._data_bytes += len(value)
+                if self._data_bytes > self.max_event_bytes:
+                    raise ReplyError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
+                self._data.append(_utf8(value))
+            elif not line:
+                if self._data or self._event:
+                    data = self._data
+                    events.append(
+                        SseEvent(self._event, data[0] if len(data) == 1 else "\n".join(data))
+                    )
+                    self._data, self._data_bytes, self._event = [], 0, ""
+            elif line == b"data":  # a field without a colon has an empty value
+                self._data.append("")
+            elif line[:1] != b":":
+                name, _, value = line.partition(b":")
+                if name == b"event":
+                    self._event = _utf8(value[1:] if value[:1] == b" " else value)
         return events
 
-    def _line(self, line: bytes) -> SseEvent | None:
-        if not line:
-            if not self._data and not self._event:
-                return None
-            event = SseEvent(self._event, "\n".join(self._data))
-            self._data, self._data_bytes, self._event = [], 0, ""
-            return event
-        if line.startswith(b":"):
-            return None
-        name, _, value = line.partition(b":")
-        if value.startswith(b" "):
-            value = value[1:]
-        try:
-            text = value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ReplyError("a server-sent event is not UTF-8") from None
-        if name == b"data":
-            self._data_bytes += len(value)
-            if self._data_bytes > self.max_event_bytes:
-                raise ReplyError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
-            self._data.append(text)
-        elif name == b"event":
-            self._event = text
-        return None
+
+def _utf8(value: bytes | bytearray) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ReplyError("a server-sent event is not UTF-8") from None
 
 
 class StreamFailed(Exception):
@@ -528,15 +552,15 @@ class DeltaParser:
                 continue
             if self._done:
                 continue
-            chunk = json_object(event.data)
+            chunk = _event_object(event.data)
             if event.event == "error" or "error" in chunk or chunk.get("object") == "error":
                 raise StreamFailed(error_message(event.data))
             self._chunk(chunk)
 
     def _chunk(self, chunk: JsonObject) -> None:
-        usage = _usage(chunk.get("usage"))
+        usage = chunk.get("usage")
         if usage is not None:
-            self._usage = usage
+            self._usage = _usage(usage) or self._usage
         choices = chunk.get("choices")
         if not isinstance(choices, list):
             raise ReplyError("a stream chunk has no choices array")
@@ -556,7 +580,8 @@ class DeltaParser:
         ids = choice.get("token_ids")
         new_ids = [t for t in ids if type(t) is int] if isinstance(ids, list) else []
         self._token_ids += new_ids
-        logprobs = _chunk_logprobs(choice.get("logprobs"), chat=self._chat)
+        raw = choice.get("logprobs")
+        logprobs = None if raw is None else _chunk_logprobs(raw, chat=self._chat)
         if new_ids and logprobs is not None and len(logprobs) == len(new_ids):
             self._logprobs += logprobs
         elif new_ids:
