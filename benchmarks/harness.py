@@ -161,9 +161,19 @@ def worker_argv(
     return [*argv, *extra]
 
 
-def router_argv(config: Path, *, cores: str | None, wrapper: Sequence[str] = ()) -> list[str]:
-    """The command line of a router serving ``config`` on a free port (announced on stdout)."""
-    argv = [*taskset_prefix(cores), *wrapper, *_python(), "serve", "--config", str(config)]
+def router_argv(
+    config: Path,
+    *,
+    cores: str | None,
+    wrapper: Sequence[str] = (),
+    python: Sequence[str] = (),
+) -> list[str]:
+    """The command line of a router serving ``config`` on a free port (announced on stdout).
+
+    ``python`` replaces ``python -m epd_actors`` (e.g. to run it under ``-m cProfile``).
+    """
+    argv = [*taskset_prefix(cores), *wrapper, *(python or _python()), "serve"]
+    argv += ["--config", str(config)]
     return [*argv, "--http-listen", "127.0.0.1:0"]
 
 
@@ -183,10 +193,12 @@ def start_scenario(
     worker_cores: str | None = None,
     vllm_router: str | None = None,
     router_wrapper: tuple[str, ...] = (),
+    router_python: tuple[str, ...] = (),
 ) -> None:
     """Start the scenario's processes (stopped when ``stack`` closes); sets ``scenario.url``.
 
-    ``router_wrapper`` goes before the router's own argv (e.g. a profiler's ``record --``).
+    ``router_wrapper`` goes before the router's own argv (e.g. a profiler's
+    ``record --``); ``router_python`` replaces its ``python -m epd_actors``.
     """
     token = secrets.token_urlsafe(16)
     env = _env(token)
@@ -213,7 +225,7 @@ def start_scenario(
         return
     config = workdir / f"{scenario.name}.toml"
     config.write_text(router_toml(endpoints, backend=scenario.kind), encoding="utf-8")
-    argv = router_argv(config, cores=router_cores, wrapper=router_wrapper)
+    argv = router_argv(config, cores=router_cores, wrapper=router_wrapper, python=router_python)
     router = Process(argv, env=env, pattern=ROUTER_ANNOUNCE, cwd=scenario.source)
     stack.callback(router.stop)
     scenario.router = router

@@ -286,3 +286,16 @@ def test_vllm_router_gets_p_and_d_in_its_pd_mode() -> None:
     plain = vllm_router_argv("vllm-router", 9000, 9001, endpoints, pd=False)
     assert "--vllm-pd-disaggregation" not in plain
     assert plain[plain.index("--worker-urls") + 1 :][:2] == [url for _, _, url in endpoints]
+
+
+def test_the_per_token_cost_benchmark_times_every_step() -> None:
+    script = ROOT / "benchmarks" / "per_token_cost.py"
+    argv = [sys.executable, str(script), "--number", "64", "--repeat", "1"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 6
+    for line in lines:
+        micros = float(line.split(" µs")[0].split()[-1])
+        assert micros > 0, line
+    assert "(74-byte frame)" in lines[0]

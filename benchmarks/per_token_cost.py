@@ -1,0 +1,128 @@
+"""What the router's per-token steps cost in Python, one at a time, on this machine.
+
+When a worker emits one token per delta, the router does a few things per
+token that are pure Python and need no socket: decode the worker's frame (a
+native ``Delta``, or a vLLM server-sent event), and frame the client's SSE
+chunk.  This times each of them in a loop (``timeit``, the best of
+``--repeat`` runs) and prints microseconds (µs) per item:
+
+* ``native delta decode`` / ``encode``: one one-token ``Delta`` through the wire
+  codec (``decode_body`` / ``encode``), and the frame's size;
+* ``vLLM chunk -> delta``: a 64-token chat stream as vLLM writes it (one
+  ``chat.completion.chunk`` per token, ``return_token_ids`` on), through
+  ``SseDecoder`` and ``DeltaParser``: fed one event per call (a read per token,
+  as in a paced stream) and all at once (one read for the stream);
+* ``SSE chunk framing``: one rendered delta framed as an HTTP/1.1 chunk by
+  ``h11.Data`` and by the front end's own framer, when this checkout has one.
+
+To compare checkouts, run it from each with ``PYTHONPATH`` pointing at that
+checkout (the machine is shared, so run them back to back, twice)::
+
+    python benchmarks/per_token_cost.py
+    PYTHONPATH=<checkout> python benchmarks/per_token_cost.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import timeit
+from typing import TYPE_CHECKING
+
+import h11
+
+from epd_actors.backends.openai_http_contract import DeltaParser, SseDecoder
+from epd_actors.protocol import Delta, decode_body, encode
+from epd_actors.protocol.codec import HEADER
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+TOKENS = 64
+
+
+def per_item(work: Callable[[], object], items: int, number: int, repeat: int) -> float:
+    """Microseconds per item: the best of ``repeat`` runs of ``number`` calls of ``work``."""
+    best = min(timeit.repeat(work, number=number, repeat=repeat))
+    return best / number / items * 1e6
+
+
+def vllm_event(index: int, finish: str | None = None) -> bytes:
+    chunk = {
+        "id": "chatcmpl-0123456789abcdef",
+        "object": "chat.completion.chunk",
+        "created": 1764547200,
+        "model": "served-model",
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": f" tok{index}"},
+                "logprobs": None,
+                "finish_reason": finish,
+                "token_ids": [1000 + index],
+            }
+        ],
+    }
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--number", type=int, default=20000, help="calls per timing run")
+    parser.add_argument("--repeat", type=int, default=5, help="timing runs; the best counts")
+    args = parser.parse_args()
+    number, repeat = args.number, args.repeat
+
+    delta = Delta("req-0123456789abcdef", token_ids=(1234,), text=" token")
+    frame = encode(delta)
+    body = frame[HEADER.size :]
+    decode_us = per_item(lambda: decode_body(body), 1, number, repeat)
+    encode_us = per_item(lambda: encode(delta), 1, number, repeat)
+    print(f"native delta decode   {decode_us:6.2f} µs   ({len(frame)}-byte frame)")
+    print(f"native delta encode   {encode_us:6.2f} µs")
+
+    events = [vllm_event(i) for i in range(TOKENS - 1)] + [vllm_event(TOKENS - 1, "stop")]
+    stream = b"".join(events)
+
+    def event_per_read() -> None:
+        decoder, deltas = SseDecoder(1 << 20), DeltaParser("r", chat=True)
+        for event in events:
+            deltas.feed(decoder.feed(event))
+            deltas.take()
+
+    def stream_per_read() -> None:
+        decoder, deltas = SseDecoder(1 << 20), DeltaParser("r", chat=True)
+        deltas.feed(decoder.feed(stream))
+        deltas.take()
+
+    runs = max(1, number // TOKENS)
+    print(
+        f"vLLM chunk -> delta   {per_item(event_per_read, TOKENS, runs, repeat):6.2f} µs"
+        "   (one event per read)"
+    )
+    print(
+        f"vLLM chunk -> delta   {per_item(stream_per_read, TOKENS, runs, repeat):6.2f} µs"
+        "   (the whole stream in one read)"
+    )
+
+    piece = b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"text":" token"}]}\n\n'
+    connection = h11.Connection(h11.SERVER)
+    connection.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    connection.next_event()
+    connection.next_event()
+    connection.send(h11.Response(status_code=200, headers=[]))
+    h11_us = per_item(lambda: connection.send(h11.Data(data=piece)), 1, number, repeat)
+    print(f"SSE chunk framing     {h11_us:6.2f} µs   (h11.Data)")
+    try:
+        from epd_actors.frontends.http_body import body_framer
+    except ImportError:
+        return
+    frame_piece = body_framer(connection)
+    print(
+        f"SSE chunk framing     {per_item(lambda: frame_piece(piece), 1, number, repeat):6.2f} µs"
+        "   (body_framer)"
+    )
+
+
+if __name__ == "__main__":
+    main()
