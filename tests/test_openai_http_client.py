@@ -26,7 +26,7 @@ from epd_actors.backends.openai_http_client import (
     WorkerHttpClient,
 )
 from epd_actors.errors import RemoteWorkerError, WorkerDisconnected
-from epd_actors.protocol import ErrorCode, PrefillRequest, Prompt
+from epd_actors.protocol import ErrorCode, GenerateRequest, PrefillRequest, Prompt
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -367,6 +367,30 @@ async def test_the_backend_maps_every_reply_of_a_prefill(
     failure = caught.value
     assert (failure.code, failure.retryable, failure.param) == (code, retryable, param)
     assert failure.request_id == "r1"
+
+
+@pytest.mark.parametrize(
+    "events",
+    [b"data: not json\n\n", b'data: {"choices": 3}\n\n', b"data: \xff\n\n", b"x" * 300],
+    ids=["not-json", "no-choices", "not-utf8", "line-over-limit"],
+)
+async def test_a_malformed_stream_is_a_protocol_error_of_the_worker(events: bytes) -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    reply = head + b"content-length: %d\r\n\r\n%s" % (len(events), events)
+    settings = OpenAIHttpSettings(health_interval_s=0.05, max_event_bytes=256)
+    async with canned_server(backend_replies({b"/v1/completions": reply})) as (url, _):
+        backend = OpenAIHttpBackend("d", url, model="m", settings=settings)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backend.run)
+            await backend.wait_ready()
+            request = GenerateRequest("r1", Prompt(text="hi"))
+            with pytest.raises(RemoteWorkerError) as caught:
+                async with backend.open_stream(request) as stream:
+                    await stream.receive()
+            nursery.cancel_scope.cancel(reason="test done")
+    failure = caught.value
+    assert (failure.code, failure.retryable) == (ErrorCode.PROTOCOL_ERROR, True)
+    assert (failure.stage, failure.request_id) == ("generate", "r1")
 
 
 async def test_a_lost_connection_is_a_disconnect_and_a_refused_one_takes_the_worker_down() -> None:

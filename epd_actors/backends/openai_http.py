@@ -203,6 +203,8 @@ class OpenAIHttpDeltaStream:
                 return self._end()
             try:
                 self._parser.feed(self._decoder.feed(chunk))
+            except ReplyError as exc:  # off-contract bytes: the worker's protocol error
+                raise self._backend._translate(exc, "generate", self._call.request_id) from exc
             except StreamFailed as exc:
                 backend = self._backend
                 backend._request_failures += 1
