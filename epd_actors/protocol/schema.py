@@ -107,6 +107,9 @@ def _check_float_map(value: object, path: str) -> object:
     return {key: _check_float(item, f"{path}.{key}") for key, item in value.items()}
 
 
+_EXACT_TYPES = (int, str, bool, bytes)
+"""Scalars whose check is an exact type test: a value of that very type is valid as it is."""
+
 _SCALARS: dict[object, tuple[Checker, str]] = {
     str: (_check_str, "str"),
     int: (_check_int, "int"),
@@ -174,7 +177,7 @@ def _compile_tuple(item: object) -> tuple[Checker, Emitter]:
     # Items whose check is an exact type test (token ids, strings) are checked
     # in one pass without building a path per item; the item-by-item pass,
     # which names the bad item, runs only when that finds a mismatch.
-    exact = item if item in (int, str, bool, bytes) else None
+    exact = item if item in _EXACT_TYPES else None
 
     def check(value: Any, path: str) -> object:  # Any: no cast call per array
         if type(value) not in (tuple, list):
@@ -203,7 +206,7 @@ class _Field:
     emit: Emitter
     required: bool
     nullable: bool  # ``None`` is valid as it is: no call to ``check`` for it
-    exact: type | None  # a value of exactly this type is valid as it is (str, int, bool, bytes)
+    exact: type | None  # one of ``_EXACT_TYPES``: a value of exactly that type is valid as it is
     omit_none: bool  # the default is ``None``: a ``None`` value is left off the wire
 
 
@@ -287,7 +290,7 @@ def compile_struct(cls: type, tag: str | None = None) -> Struct:
         scalar = annotation
         if nullable and len(members) == 2:
             scalar = next(m for m in members if m is not type(None))
-        exact = scalar if scalar in (str, int, bool, bytes) else None
+        exact = scalar if scalar in _EXACT_TYPES else None
         omit_none = nullable and f.default is None
         fields.append(_Field(f.name, check, emit, required, nullable, exact, omit_none))
     struct = Struct(cls, tuple(fields), tag)
