@@ -333,6 +333,20 @@ def backend_replies(replies: dict[bytes, bytes], *, close: bool = False) -> Answ
     return answer
 
 
+@asynccontextmanager
+async def ready_backend(
+    replies: dict[bytes, bytes], settings: OpenAIHttpSettings, *, close: bool = False
+) -> AsyncIterator[OpenAIHttpBackend]:
+    """A running backend for a server with ``backend_replies``, once a probe found it ready."""
+    async with canned_server(backend_replies(replies, close=close)) as (url, _):
+        backend = OpenAIHttpBackend("w", url, model="m", settings=settings)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backend.run)
+            await backend.wait_ready()
+            yield backend
+            nursery.cancel_scope.cancel(reason="test done")
+
+
 def json_reply(status: int, body: bytes) -> bytes:
     return b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body)
 
@@ -356,14 +370,9 @@ async def test_the_backend_maps_every_reply_of_a_prefill(
     reply: bytes, code: str, retryable: bool, param: str | None
 ) -> None:
     settings = OpenAIHttpSettings(health_interval_s=0.05, max_response_bytes=256)
-    async with canned_server(backend_replies({b"/v1/completions": reply})) as (url, _):
-        backend = OpenAIHttpBackend("p", url, model="m", settings=settings)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(backend.run)
-            await backend.wait_ready()
-            with pytest.raises(RemoteWorkerError) as caught:
-                await backend.run_stage(PrefillRequest("r1", Prompt(text="hi")))
-            nursery.cancel_scope.cancel(reason="test done")
+    async with ready_backend({b"/v1/completions": reply}, settings) as backend:
+        with pytest.raises(RemoteWorkerError) as caught:
+            await backend.run_stage(PrefillRequest("r1", Prompt(text="hi")))
     failure = caught.value
     assert (failure.code, failure.retryable, failure.param) == (code, retryable, param)
     assert failure.request_id == "r1"
@@ -378,16 +387,11 @@ async def test_a_malformed_stream_is_a_protocol_error_of_the_worker(events: byte
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
     reply = head + b"content-length: %d\r\n\r\n%s" % (len(events), events)
     settings = OpenAIHttpSettings(health_interval_s=0.05, max_event_bytes=256)
-    async with canned_server(backend_replies({b"/v1/completions": reply})) as (url, _):
-        backend = OpenAIHttpBackend("d", url, model="m", settings=settings)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(backend.run)
-            await backend.wait_ready()
-            request = GenerateRequest("r1", Prompt(text="hi"))
-            with pytest.raises(RemoteWorkerError) as caught:
-                async with backend.open_stream(request) as stream:
-                    await stream.receive()
-            nursery.cancel_scope.cancel(reason="test done")
+    async with ready_backend({b"/v1/completions": reply}, settings) as backend:
+        request = GenerateRequest("r1", Prompt(text="hi"))
+        with pytest.raises(RemoteWorkerError) as caught:
+            async with backend.open_stream(request) as stream:
+                await stream.receive()
     failure = caught.value
     assert (failure.code, failure.retryable) == (ErrorCode.PROTOCOL_ERROR, True)
     assert (failure.stage, failure.request_id) == ("generate", "r1")
@@ -395,16 +399,12 @@ async def test_a_malformed_stream_is_a_protocol_error_of_the_worker(events: byte
 
 async def test_a_lost_connection_is_a_disconnect_and_a_refused_one_takes_the_worker_down() -> None:
     cut = b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n{"
-    async with canned_server(backend_replies({b"/v1/completions": cut}, close=True)) as (url, _):
-        backend = OpenAIHttpBackend("p", url, model="m", settings=OpenAIHttpSettings())
-        async with trio.open_nursery() as nursery:
-            await nursery.start(backend.run)
-            await backend.wait_ready()
-            request = PrefillRequest("r1", Prompt(text="hi"))
-            with pytest.raises(WorkerDisconnected, match="connection lost"):
-                with trio.fail_after(GUARD_S):
-                    await backend.run_stage(request)
-            nursery.cancel_scope.cancel(reason="test done")
+    replies = {b"/v1/completions": cut}
+    async with ready_backend(replies, OpenAIHttpSettings(), close=True) as backend:
+        request = PrefillRequest("r1", Prompt(text="hi"))
+        with pytest.raises(WorkerDisconnected, match="connection lost"):
+            with trio.fail_after(GUARD_S):
+                await backend.run_stage(request)
     with trio.socket.socket() as probe:
         await probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
