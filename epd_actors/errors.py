@@ -68,11 +68,14 @@ class InvalidRequest(EpdError):
 
     Attributes:
         param: the offending field (dotted path), when one can be named.
+        code: a machine-readable reason, when there is one beyond "invalid"
+            (``unknown_parameter``).
     """
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class Unauthorized(EpdError):
@@ -175,13 +178,17 @@ class EngineError(EpdError):
     Attributes:
         code: a wire error code (``protocol.messages.ErrorCode`` value).
         retryable: whether another worker may succeed with the same request.
+        param: the request field to blame (``ErrorReply.param``), when one can be named.
     """
 
-    def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
+    def __init__(
+        self, code: str, message: str, *, retryable: bool = False, param: str | None = None
+    ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.detail = message
         self.retryable = retryable
+        self.param = param
 
 
 class EngineCrashed(EpdError):

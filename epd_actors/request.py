@@ -67,6 +67,9 @@ class GenerationRequest:
             in-flight limit the request may use (see ``config.AdmissionLimits``).
         timeout_s: whole-request deadline (seconds); ``None`` or ``0`` uses the
             configured one.
+        options: the client's other vLLM request fields, by name, as JSON
+            values (``frequency_penalty``, ``response_format``, ``tools``...);
+            carried to the engine unchanged (see ``GenerateRequest.options``).
     """
 
     prompt: Prompt
@@ -76,6 +79,7 @@ class GenerationRequest:
     session_key: str | None = None
     priority: str = "normal"
     timeout_s: float | None = None
+    options: dict[str, object] | None = None
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:

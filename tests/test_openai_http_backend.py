@@ -55,6 +55,7 @@ from epd_actors.errors import (
     WorkerDisconnected,
 )
 from epd_actors.frontends.media import MediaLimits
+from epd_actors.frontends.openai_fields import FieldPolicy
 from epd_actors.frontends.openai_schema import parse_chat_completion
 from epd_actors.protocol import (
     ChatMessage,
@@ -294,7 +295,6 @@ def test_openai_request_rebuilds_a_chat_body_with_inline_media() -> None:
         "model": "m",
         "max_tokens": 9,
         "temperature": 0.5,
-        "top_p": 1.0,
         "top_k": 4,
         "stop": ["x"],
         "seed": 7,
@@ -320,7 +320,8 @@ def test_the_rebuilt_body_parses_back_to_the_same_request() -> None:
     """What P and D receive must describe the same prompt (the KV digest depends on it)."""
     request = chat(image(1), image(2), text="compare them", max_tokens=5, stop=("!",), seed=3)
     _, body = openai_request(request.prompt, request.media, request.sampling, model=MODEL)
-    parsed = parse_chat_completion(body, request_id="r", limits=MediaLimits())
+    policy = FieldPolicy(accept_transfer_fields=True)  # return_token_ids: the router's own
+    parsed = parse_chat_completion(body, request_id="r", limits=MediaLimits(), policy=policy)
     assert parsed.prompt == request.prompt
     assert parsed.media == request.media
     assert parsed.sampling == request.sampling

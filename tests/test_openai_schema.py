@@ -21,8 +21,6 @@ from epd_actors.frontends.media import (
     resolve_media,
 )
 from epd_actors.frontends.openai_schema import (
-    DEFAULT_CHAT_MAX_TOKENS,
-    DEFAULT_COMPLETION_MAX_TOKENS,
     ParsedRequest,
     SseFormatter,
     parse_chat_completion,
@@ -100,7 +98,10 @@ def test_text_and_media_parts_become_ordered_parts_and_items() -> None:
     [
         ({"role": "developer", "content": "x"}, ChatMessage("system", ("x",))),
         ({"role": "assistant", "content": None}, ChatMessage("assistant", ())),
-        ({"role": "tool", "content": "42", "tool_call_id": "t"}, ChatMessage("tool", ("42",))),
+        (
+            {"role": "tool", "content": "42", "tool_call_id": "t"},
+            ChatMessage("tool", ("42",), {"tool_call_id": "t"}),
+        ),
         (user(), ChatMessage("user", ())),
     ],
     ids=["developer-is-system", "assistant-null", "tool", "empty-parts"],
@@ -385,16 +386,24 @@ async def test_resolve_times_out(autojump_clock: trio.testing.MockClock) -> None
 # ---------------------------------------------------------------- sampling
 
 
-def test_defaults() -> None:
-    parsed = chat()
-    assert parsed.sampling.max_tokens == DEFAULT_CHAT_MAX_TOKENS
-    assert (parsed.stream, parsed.include_usage, parsed.logprobs, parsed.n) == (
-        False,
-        False,
-        False,
-        1,
-    )
-    assert completion(prompt="x").sampling.max_tokens == DEFAULT_COMPLETION_MAX_TOKENS
+def test_what_the_client_leaves_unset_stays_unset() -> None:
+    """No router-side defaults: the engine applies its own (generation config, context)."""
+    for parsed in (chat(), completion(prompt="x")):
+        sampling = parsed.sampling
+        assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k) == (
+            None,
+            None,
+            None,
+            None,
+        )
+        assert (parsed.stream, parsed.include_usage, parsed.logprobs, parsed.n) == (
+            False,
+            False,
+            False,
+            1,
+        )
+        assert parsed.options is None
+        assert parsed.request.options is None
 
 
 def test_every_sampling_field() -> None:
@@ -413,7 +422,6 @@ def test_every_sampling_field() -> None:
         stream_options={"include_usage": True},
         user="alice",
         frequency_penalty=0,
-        some_future_field={"ignored": True},
     )
     sampling = parsed.sampling
     assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k) == (
@@ -435,6 +443,7 @@ def test_every_sampling_field() -> None:
         3,
     )
     assert parsed.session_key == "alice"
+    assert parsed.request.options == {"frequency_penalty": 0}
 
 
 def test_session_header_wins_over_user() -> None:
@@ -474,8 +483,9 @@ def test_session_header_wins_over_user() -> None:
         ({"model": ""}, "model"),
         ({"model": 5}, "model"),
         ({"user": 7}, "user"),
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"some_future_field": {"x": True}}, "some_future_field"),
     ],
     ids=lambda value: json.dumps(value, default=str) if isinstance(value, dict) else None,
 )
@@ -486,6 +496,7 @@ def test_bad_fields_name_the_field(fields: dict[str, object], param: str) -> Non
 def test_harmless_fields_are_accepted() -> None:
     parsed = chat(tools=[], response_format={"type": "text"}, n=1, logit_bias={})
     assert parsed.n == 1
+    assert parsed.options == {"tools": [], "response_format": {"type": "text"}, "logit_bias": {}}
 
 
 def test_body_must_be_an_object() -> None:
@@ -520,7 +531,7 @@ def test_completion_prompts(prompt: object, expected: Prompt) -> None:
         ({"prompt": [1, "a"]}, "prompt[1]", "token ids"),
         ({"prompt": [1, -1]}, "prompt[1]", "token ids"),
         ({"prompt": [True]}, "prompt[0]", "token ids"),
-        ({"prompt": "x", "echo": True}, "echo", "not supported"),
+        ({"prompt": "x", "echo": 1}, "echo", "true or false"),
         ({"prompt": "x", "suffix": "end"}, "suffix", "not supported"),
         ({"prompt": "x", "best_of": 2}, "best_of", "not supported"),
         ({"prompt": "x", "logprobs": True}, "logprobs", "integer"),
@@ -539,6 +550,7 @@ def test_bad_completions(fields: dict[str, object], param: str, message: str) ->
 def test_completion_logprobs_is_a_count() -> None:
     parsed = completion(prompt="x", logprobs=2, echo=False, best_of=1)
     assert (parsed.logprobs, parsed.sampling.logprobs, parsed.kind) == (True, 2, "completion")
+    assert parsed.options == {"echo": False}
 
 
 # ---------------------------------------------------------------- responses

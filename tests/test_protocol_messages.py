@@ -156,7 +156,7 @@ def test_minimal_maps_take_the_documented_defaults() -> None:
     prefill = decode_body(pack({"type": "prefill", "request_id": "r", "prompt": {"text": "hi"}}))
     assert prefill == PrefillRequest("r", Prompt(text="hi"))
     assert prefill.sampling == SamplingParams(
-        max_tokens=16, temperature=1.0, top_p=1.0, top_k=0, stop=(), seed=None, min_tokens=0
+        max_tokens=None, temperature=None, top_p=None, top_k=None, stop=(), seed=None, min_tokens=0
     )
     assert prefill.media == ()
     assert prefill.kv_transfer_params is None

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 EPD = {"encode": 1, "prefill": 1, "decode": 1}
 GUARD_S = 10.0
 LONG = 100_000  # tokens: at the simulator's default pace, never finishes within a test
+CONTEXT = 1 << 21  # the simulated model's context, so that LONG and bigger fit
 
 Message = dict[str, Any]  # one decoded server message
 
@@ -75,7 +76,7 @@ class Served:
 async def serving(
     settings: WsSettings | None = None, *, sim: SimConfig | None = None
 ) -> AsyncIterator[Served]:
-    fleet = build_sim_fleet(EPD, config=sim)
+    fleet = build_sim_fleet(EPD, config=sim or sim_config(max_model_len=CONTEXT))
     async with open_router(fleet.router_config(), backend_factory=fleet.backend_factory) as router:
         await router.wait_ready()
         async with trio.open_nursery() as nursery:
@@ -345,7 +346,7 @@ async def until_first_delta(ws: WebSocketConnection, *ids: str) -> None:
 
 async def test_a_slow_reader_stalls_only_its_own_connection() -> None:
     # Unpaced: the simulator only ever waits on backpressure, never on a timer.
-    sim = sim_config(output_token_s=0.0)
+    sim = sim_config(output_token_s=0.0, max_model_len=CONTEXT)
     settings = WsSettings(outgoing_buffer=2)
     with trio.fail_after(GUARD_S):
         async with serving(settings, sim=sim) as served, open_websocket_url(served.url) as slow:
@@ -369,7 +370,7 @@ async def test_a_slow_reader_stalls_only_its_own_connection() -> None:
 
 
 async def test_closing_a_stalled_connection_leaves_other_stalled_streams_alone() -> None:
-    sim = sim_config(output_token_s=0.0)
+    sim = sim_config(output_token_s=0.0, max_model_len=CONTEXT)
     settings = WsSettings(outgoing_buffer=2)
     with trio.fail_after(GUARD_S):
         async with serving(settings, sim=sim) as served, open_websocket_url(served.url) as kept:

@@ -15,7 +15,7 @@ tuple, so a tuple would come back as a list).
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -45,6 +45,7 @@ from epd_actors.protocol import (
     Role,
     SamplingParams,
     StageResult,
+    TokenLogprob,
     Usage,
     Welcome,
     WorkerStats,
@@ -104,6 +105,7 @@ chat_messages = st.builds(
     ChatMessage,
     role=st.sampled_from(["system", "user", "assistant", "tool"]) | texts,
     parts=st.lists(texts | wire_ints, max_size=5).map(tuple),
+    fields=optional_opaque_maps,
 )
 
 token_id_tuples = st.lists(st.integers(min_value=0, max_value=2**32), max_size=16).map(tuple)
@@ -117,15 +119,15 @@ prompts = st.one_of(
 
 @st.composite
 def sampling_params(draw: DrawFn) -> SamplingParams:
-    max_tokens = draw(st.integers(min_value=1, max_value=2**31))
+    max_tokens = draw(st.none() | st.integers(min_value=1, max_value=2**31))
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=draw(st.floats(min_value=0.0, allow_nan=False)),
-        top_p=draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=True)),
-        top_k=draw(st.integers(min_value=-1, max_value=2**31)),
+        temperature=draw(st.none() | st.floats(min_value=0.0, allow_nan=False)),
+        top_p=draw(st.none() | st.floats(min_value=0.0, max_value=1.0, exclude_min=True)),
+        top_k=draw(st.none() | st.integers(min_value=-1, max_value=2**31)),
         stop=tuple(draw(st.lists(texts, max_size=4))),
         seed=draw(st.none() | wire_ints),
-        min_tokens=draw(st.integers(min_value=0, max_value=max_tokens)),
+        min_tokens=draw(st.integers(min_value=0, max_value=max_tokens or 2**31)),
         logprobs=draw(st.none() | st.integers(min_value=0, max_value=20)),
     )
 
@@ -137,15 +139,22 @@ worker_stats = st.builds(
 media_tuples = st.lists(media_items(), max_size=3).map(tuple)
 
 
+T = TypeVar("T")
+
+token_logprobs = st.builds(TokenLogprob, token=texts, logprob=wire_floats)
+
+
 @st.composite
 def deltas(draw: DrawFn) -> Delta:
     token_ids = draw(token_id_tuples)
-    with_logprobs = draw(st.booleans())
-    logprobs = (
-        tuple(draw(st.lists(wire_floats, min_size=len(token_ids), max_size=len(token_ids))))
-        if with_logprobs
-        else None
-    )
+    n = len(token_ids)
+
+    def per_token(item: SearchStrategy[T]) -> tuple[T, ...] | None:
+        if not draw(st.booleans()):
+            return None
+        return tuple(draw(st.lists(item, min_size=n, max_size=n)))
+
+    logprobs = per_token(wire_floats)
     return Delta(
         request_id=draw(ids),
         token_ids=token_ids,
@@ -154,6 +163,9 @@ def deltas(draw: DrawFn) -> Delta:
         finish_reason=draw(st.none() | st.sampled_from(["stop", "length", "abort"]) | texts),
         usage=draw(st.none() | usages),
         timings=draw(st.none() | timings),
+        tokens=per_token(texts),
+        top_logprobs=per_token(st.lists(token_logprobs, max_size=3).map(tuple)),
+        fields=draw(optional_opaque_maps),
     )
 
 
@@ -168,6 +180,7 @@ def _stage_request(
         sampling=sampling_params(),
         kv_transfer_params=optional_opaque_maps,
         ec_transfer_params=optional_opaque_maps,
+        options=optional_opaque_maps,
     )
 
 
@@ -176,6 +189,7 @@ NESTED_STRATEGIES: dict[type, SearchStrategy[object]] = {
     ChatMessage: chat_messages,
     Prompt: prompts,
     SamplingParams: sampling_params(),
+    TokenLogprob: token_logprobs,
     Usage: usages,
     WorkerStats: worker_stats,
 }
@@ -217,6 +231,7 @@ MESSAGE_STRATEGIES: dict[type[Message], SearchStrategy[Message]] = {
         code=st.sampled_from([c.value for c in ErrorCode]) | texts,
         message=texts,
         retryable=st.booleans(),
+        param=st.none() | texts,
     ),
     Abort: st.builds(Abort, request_id=ids),
     Aborted: st.builds(Aborted, request_id=ids),

@@ -37,5 +37,6 @@ class DecodeActor(BaseActor):
                 request.sampling,
                 kv_transfer_params=context.kv_transfer_params,
                 ec_transfer_params=context.ec_transfer_params,
+                options=request.options,
             ),
         )

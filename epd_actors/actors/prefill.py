@@ -34,6 +34,7 @@ class PrefillActor(BaseActor):
                 request.media,
                 request.sampling,
                 ec_transfer_params=context.ec_transfer_params,
+                options=request.options,
             )
         )
         kv = result.kv_transfer_params

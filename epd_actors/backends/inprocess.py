@@ -22,6 +22,7 @@ from .._groups import single_exception
 from ..errors import EngineCrashed, EngineError, RemoteWorkerError, WorkerDisconnected
 from ..limits import CLEANUP_TIMEOUT_S, WORKER_DELTA_BUFFER
 from ..protocol import Delta, EncodeRequest, PrefillRequest
+from ..worker.engine import check_options
 from .base import BackendStatus
 
 if TYPE_CHECKING:
@@ -130,6 +131,7 @@ class InProcessBackend:
             worker_id=self.worker_id,
             stage=self.stage,
             request_id=request_id,
+            param=exc.param,
         )
 
     async def _abort(self, request_id: str) -> None:
@@ -143,6 +145,7 @@ class InProcessBackend:
         self.in_flight += 1
         finished = False
         try:
+            check_options(request, self.engine)
             if isinstance(request, EncodeRequest):
                 result = await self.engine.encode(request)
             else:
@@ -190,6 +193,7 @@ class InProcessBackend:
     ) -> None:
         async with send:
             try:
+                check_options(request, self.engine)
                 await self.engine.generate(request, send.send)
             except EngineError as exc:
                 stream.error = exc

@@ -109,6 +109,7 @@ from ..protocol import (
     StageResult,
     Welcome,
     WorkerStats,
+    deltas_mergeable,
     encode,
     merge_deltas,
 )
@@ -543,11 +544,11 @@ class NativeBackend:
     def _hand_over(self, conn: _Connection, pending: _Pending, run: list[Delta]) -> None:
         """Give a stream's deltas of one read, merged, to its sink; queue what it refuses.
 
-        They are merged only when every one with tokens has log-probabilities, or
-        none has: a merge would drop them all (how a read splits a stream must
-        not change what the caller gets).
+        They are merged only when the merge keeps everything
+        (:func:`~epd_actors.protocol.deltas_mergeable`): how a read splits a
+        stream must not change what the caller gets.
         """
-        mixed = len(run) > 1 and len({d.logprobs is None for d in run if d.token_ids}) > 1
+        mixed = len(run) > 1 and not deltas_mergeable(run)
         for delta in run if mixed else (merge_deltas(run),):
             if pending.accepting and pending.direct:
                 assert pending.sink is not None  # direct is only set with a sink

@@ -315,6 +315,7 @@ class _Pending:
                 worker_id=self.worker_id,
                 stage=self.stage,
                 request_id=self.request_id,
+                param=reply.param,
             )
         return reply
 

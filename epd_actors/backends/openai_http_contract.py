@@ -114,15 +114,17 @@ def openai_request(
     *,
     model: str,
     return_token_ids: bool = True,
+    options: Mapping[str, object] | None = None,
 ) -> tuple[str, JsonObject]:
     """Rebuild the OpenAI request of a stage request: ``(path, body)``.
 
     Chat prompts become ``/v1/chat/completions`` with every media item inline
     (``data:`` URLs, or ``input_audio`` for wav and mp3) where its index sits
     among the message's parts; text and token-id prompts become
-    ``/v1/completions``.  Sampling fields are written only when they differ
-    from what vLLM assumes anyway, except ``max_tokens``, ``temperature`` and
-    ``top_p``, which are always explicit.
+    ``/v1/completions``.  A sampling field is written only when the client
+    set it, so vLLM applies its own defaults (the model's generation config,
+    the rest of the context for ``max_tokens``) to the others; the client's
+    other fields (``options``) go in as they came.
 
     Args:
         prompt: text, token ids or chat messages.
@@ -131,6 +133,7 @@ def openai_request(
         model: the served model name.
         return_token_ids: ask vLLM for the sampled token ids (``return_token_ids``;
             an older vLLM ignores the field).
+        options: the client's engine fields, by name.
 
     Raises:
         InvalidRequest: media with a non-chat prompt, a part naming a missing
@@ -148,6 +151,8 @@ def openai_request(
         path = COMPLETIONS_PATH
         body["prompt"] = prompt.text if prompt.text is not None else list(prompt.token_ids or ())
     body.update(_sampling(sampling, chat=path == CHAT_PATH))
+    if options:
+        body.update(options)
     if return_token_ids:
         body["return_token_ids"] = True
     return path, body
@@ -156,9 +161,9 @@ def openai_request(
 def _message(message: ChatMessage, media: tuple[MediaItem, ...]) -> JsonObject:
     parts = message.parts
     if len(parts) == 1 and isinstance(parts[0], str):
-        return {"role": message.role, "content": parts[0]}
+        return {"role": message.role, "content": parts[0], **(message.fields or {})}
     if not parts and message.role in ("assistant", "tool"):
-        return {"role": message.role, "content": None}
+        return {"role": message.role, "content": None, **(message.fields or {})}
     content: list[object] = []
     for part in parts:
         if isinstance(part, str):
@@ -167,7 +172,7 @@ def _message(message: ChatMessage, media: tuple[MediaItem, ...]) -> JsonObject:
             content.append(media_part(media[part]))
         else:
             raise InvalidRequest(f"a chat part names media item {part}, which does not exist")
-    return {"role": message.role, "content": content}
+    return {"role": message.role, "content": content, **(message.fields or {})}
 
 
 def media_part(item: MediaItem) -> JsonObject:
@@ -187,12 +192,14 @@ def media_part(item: MediaItem) -> JsonObject:
 
 
 def _sampling(sampling: SamplingParams, *, chat: bool) -> JsonObject:
-    fields: JsonObject = {
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-    }
-    if sampling.top_k > 0:
+    fields: JsonObject = {}
+    if sampling.max_tokens is not None:
+        fields["max_tokens"] = sampling.max_tokens
+    if sampling.temperature is not None:
+        fields["temperature"] = sampling.temperature
+    if sampling.top_p is not None:
+        fields["top_p"] = sampling.top_p
+    if sampling.top_k is not None:
         fields["top_k"] = sampling.top_k
     if sampling.stop:
         fields["stop"] = list(sampling.stop)
@@ -294,6 +301,7 @@ def _original(
         request.sampling,
         model=model,
         return_token_ids=return_token_ids,
+        options=request.options,
     )
 
 

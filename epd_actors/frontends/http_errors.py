@@ -89,7 +89,7 @@ def _classify(
     exc: BaseException,
 ) -> tuple[int, str, str | None, str | None, tuple[tuple[str, str], ...]]:
     if isinstance(exc, InvalidRequest):
-        return 400, "invalid_request_error", None, exc.param, ()
+        return 400, "invalid_request_error", exc.code, exc.param, ()
     if isinstance(exc, ConfigError):
         return 400, "invalid_request_error", None, None, ()
     if isinstance(exc, Unauthorized):

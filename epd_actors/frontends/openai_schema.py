@@ -9,9 +9,11 @@ parser checks every field it understands -- type, range, and the combinations
 OpenAI forbids -- and raises :class:`~epd_actors.errors.InvalidRequest` with
 ``param`` naming the first offending field as a dotted path
 (``messages[0].content[1].image_url``, ``stream_options.include_usage``).
-Fields it does not know are ignored: OpenAI clients send many.  Fields whose
-silent omission would change the answer (``n > 1``, ``tools``, ``echo``,
-``suffix``, ``best_of > 1``, a structured ``response_format``) are refused.
+Every other field goes through the table of :mod:`.openai_fields`: carried to
+the engine in the request's ``options``, or refused naming it; none is
+dropped.  What the client leaves unset stays unset (``None``), so the engine
+applies its own defaults: the router adds no sampling default, no
+``max_tokens`` and no stop condition of its own.
 
 Chat content becomes :class:`~epd_actors.protocol.ChatMessage` parts: a ``str``
 for text, an ``int`` index into the request's media for each media part, so
@@ -22,15 +24,17 @@ until the front end awaits :func:`~.media.resolve_media`.
 
 The result is a :class:`ParsedRequest`: the generation request plus what the
 response needs (``stream``, ``include_usage``, ``model``, ``kind``,
-``logprobs``, ``n``).  The response side -- bodies, SSE chunks, error bodies --
-lives in :mod:`.openai_format` and is re-exported here.
+``logprobs``, ``n``).  Chat messages keep their other keys (``tool_calls``,
+``tool_call_id``, ``name``) in :attr:`ChatMessage.fields`.  The response
+side -- bodies, SSE chunks, error bodies -- lives in :mod:`.openai_format`
+and is re-exported here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Final, TypeVar
 
 from ..errors import InvalidRequest
 from ..protocol import ChatMessage, MediaItem, Prompt, SamplingParams
@@ -45,6 +49,14 @@ from .media import (
     decode_base64,
     pending_items,
 )
+from .openai_fields import (
+    STRICT_FIELDS,
+    FieldPolicy,
+    RequestKind,
+    engine_options,
+    list_of,
+    string,
+)
 from .openai_format import (
     SseFormatter,
     error_body,
@@ -55,12 +67,11 @@ from .openai_format import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
 __all__ = [
-    "DEFAULT_CHAT_MAX_TOKENS",
-    "DEFAULT_COMPLETION_MAX_TOKENS",
     "MAX_TOKENS_CEILING",
+    "FieldPolicy",
     "MediaLimits",
     "MediaPolicy",
     "ParsedRequest",
@@ -75,15 +86,6 @@ __all__ = [
     "unix_time",
     "usage_body",
 ]
-
-RequestKind = Literal["chat", "completion"]
-
-DEFAULT_COMPLETION_MAX_TOKENS: Final = 16
-"""``max_tokens`` of a completion that names none (OpenAI's documented default)."""
-
-DEFAULT_CHAT_MAX_TOKENS: Final = 1024
-"""``max_tokens`` of a chat request that names none.  OpenAI lets the model's
-context decide; a router cannot know it, so it picks a bounded default."""
 
 MAX_TOKENS_CEILING: Final = 1 << 20
 """Largest accepted ``max_tokens`` (tokens); anything above is a client bug."""
@@ -130,8 +132,9 @@ class ParsedRequest:
         stream: answer with server-sent events.
         include_usage: streaming: send a usage chunk before ``[DONE]``.
         logprobs: the client asked for log-probabilities.
-        top_logprobs: alternatives per token asked for (served as empty lists).
+        top_logprobs: alternatives per token asked for.
         n: choices asked for (always 1: other values are refused).
+        options: the body's engine fields (:mod:`.openai_fields`), checked.
     """
 
     kind: RequestKind
@@ -147,6 +150,7 @@ class ParsedRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    options: dict[str, object] | None = None
 
     @property
     def pending(self) -> tuple[PendingMedia, ...]:
@@ -170,6 +174,7 @@ class ParsedRequest:
             request_id=self.request_id,
             session_key=self.session_key,
             priority=self.priority,
+            options=self.options,
         )
 
     def with_media(self, items: tuple[MediaItem, ...]) -> ParsedRequest:
@@ -185,7 +190,7 @@ def parse_chat_completion(
     request_id: str,
     limits: MediaLimits,
     session_key: str | None = None,
-    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
+    policy: FieldPolicy = STRICT_FIELDS,
 ) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body.
 
@@ -194,7 +199,7 @@ def parse_chat_completion(
         request_id: the id the router will use.
         limits: media bounds and the URL/path allow-list.
         session_key: the ``x-session-id`` header, if any (wins over ``user``).
-        default_max_tokens: used when the body names no token limit.
+        policy: what to do with unknown fields (:class:`FieldPolicy`).
 
     Raises:
         InvalidRequest: the first problem found; ``param`` names the field.
@@ -202,8 +207,7 @@ def parse_chat_completion(
     fields = _object(body)
     budget = MediaBudget(limits)
     media: list[MediaSlot] = []
-    messages = _messages(fields.get("messages"), media, budget)
-    _refuse_unsupported(fields, ("tools", "functions"))
+    messages = _messages(fields.get("messages"), media, budget, policy)
     logprobs = _optional(fields, "logprobs", _boolean) or False
     top = _optional(fields, "top_logprobs", _int_in(0, MAX_TOP_LOGPROBS))
     if top is not None and not logprobs:
@@ -217,8 +221,8 @@ def parse_chat_completion(
         request_id=request_id,
         session_key=session_key,
         max_tokens=_optional(fields, limit_key, _int_in(1, MAX_TOKENS_CEILING)),
-        default_max_tokens=default_max_tokens,
         logprobs=(top or 0) if logprobs else None,
+        policy=policy,
     )
 
 
@@ -228,7 +232,7 @@ def parse_completion(
     request_id: str,
     limits: MediaLimits,
     session_key: str | None = None,
-    default_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
+    policy: FieldPolicy = STRICT_FIELDS,
 ) -> ParsedRequest:
     """Validate a ``/v1/completions`` body (``prompt``: text or token ids, not a batch).
 
@@ -237,7 +241,7 @@ def parse_completion(
         request_id: the id the router will use.
         limits: accepted for symmetry with chat (completions carry no media).
         session_key: the ``x-session-id`` header, if any (wins over ``user``).
-        default_max_tokens: used when the body names no ``max_tokens``.
+        policy: what to do with unknown fields (:class:`FieldPolicy`).
 
     Raises:
         InvalidRequest: the first problem found; ``param`` names the field.
@@ -245,12 +249,6 @@ def parse_completion(
     del limits
     fields = _object(body)
     prompt = _completion_prompt(fields.get("prompt"))
-    if _optional(fields, "echo", _boolean):
-        raise InvalidRequest("echo is not supported", param="echo")
-    if fields.get("suffix") is not None:
-        raise InvalidRequest("suffix is not supported", param="suffix")
-    if (_optional(fields, "best_of", _int_in(1, MAX_TOKENS_CEILING)) or 1) > 1:
-        raise InvalidRequest("best_of > 1 is not supported", param="best_of")
     return _finish(
         fields,
         kind="completion",
@@ -259,8 +257,8 @@ def parse_completion(
         request_id=request_id,
         session_key=session_key,
         max_tokens=_optional(fields, "max_tokens", _int_in(1, MAX_TOKENS_CEILING)),
-        default_max_tokens=default_max_tokens,
         logprobs=_optional(fields, "logprobs", _int_in(0, MAX_TOP_LOGPROBS)),
+        policy=policy,
     )
 
 
@@ -276,8 +274,8 @@ def _finish(
     request_id: str,
     session_key: str | None,
     max_tokens: int | None,
-    default_max_tokens: int,
     logprobs: int | None,
+    policy: FieldPolicy,
 ) -> ParsedRequest:
     model = _required(fields, "model", _string(MAX_KEY_CHARS))
     n = _optional(fields, "n", _int_in(1, MAX_TOKENS_CEILING)) or 1
@@ -286,8 +284,8 @@ def _finish(
     stream = _optional(fields, "stream", _boolean) or False
     include_usage = _stream_options(fields.get("stream_options"), stream=stream)
     user = _optional(fields, "user", _string(MAX_KEY_CHARS))
-    _refuse_structured_output(fields.get("response_format"))
-    sampling = _sampling(fields, max_tokens or default_max_tokens, logprobs)
+    sampling = _sampling(fields, max_tokens, logprobs)
+    options = engine_options(fields, kind, policy)
     return ParsedRequest(
         kind=kind,
         model=model,
@@ -301,12 +299,15 @@ def _finish(
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
         n=n,
+        options=options or None,
     )
 
 
-def _sampling(fields: dict[str, object], max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(
+    fields: dict[str, object], max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
     min_tokens = _optional(fields, "min_tokens", _int_in(0, MAX_TOKENS_CEILING)) or 0
-    if min_tokens > max_tokens:
+    if max_tokens is not None and min_tokens > max_tokens:
         raise InvalidRequest(
             f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})",
             param="min_tokens",
@@ -317,9 +318,9 @@ def _sampling(fields: dict[str, object], max_tokens: int, logprobs: int | None) 
         raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=_optional(fields, "top_k", _int_in(-1, MAX_TOKENS_CEILING)) or 0,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=_optional(fields, "top_k", _int_in(-1, MAX_TOKENS_CEILING)),
         stop=_stop(fields.get("stop")),
         seed=_optional(fields, "seed", _int_in(-_INT64, _INT64 - 1)),
         min_tokens=min_tokens,
@@ -354,39 +355,25 @@ def _stream_options(value: object, *, stream: bool) -> bool:
     return _optional(options, "include_usage", _boolean, prefix="stream_options.") or False
 
 
-def _refuse_structured_output(value: object) -> None:
-    if value is None:
-        return
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind != "text":
-        raise InvalidRequest(
-            "only response_format type 'text' is supported", param="response_format"
-        )
-
-
-def _refuse_unsupported(fields: dict[str, object], names: Sequence[str]) -> None:
-    for name in names:
-        if fields.get(name):
-            raise InvalidRequest(f"{name} is not supported by this server", param=name)
-
-
 # ---------------------------------------------------------------- chat messages
 
 
 def _messages(
-    value: object, media: list[MediaSlot], budget: MediaBudget
+    value: object, media: list[MediaSlot], budget: MediaBudget, policy: FieldPolicy
 ) -> tuple[ChatMessage, ...]:
     if not isinstance(value, list) or not value:
         raise InvalidRequest("messages must be a non-empty array", param="messages")
     if len(value) > MAX_MESSAGES:
         raise InvalidRequest(f"at most {MAX_MESSAGES} messages are allowed", param="messages")
     return tuple(
-        _message(message, f"messages[{index}]", media, budget)
+        _message(message, f"messages[{index}]", media, budget, policy)
         for index, message in enumerate(value)
     )
 
 
-def _message(value: object, param: str, media: list[MediaSlot], budget: MediaBudget) -> ChatMessage:
+def _message(
+    value: object, param: str, media: list[MediaSlot], budget: MediaBudget, policy: FieldPolicy
+) -> ChatMessage:
     message = _object(value, param)
     raw_role = message.get("role")
     role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
@@ -394,11 +381,12 @@ def _message(value: object, param: str, media: list[MediaSlot], budget: MediaBud
         raise InvalidRequest(
             "role must be one of system, developer, user, assistant, tool", param=f"{param}.role"
         )
+    fields = _message_fields(message, role, param, policy) or None
     content = message.get("content")
     if content is None and role in ("assistant", "tool"):
-        return ChatMessage(role, ())
+        return ChatMessage(role, (), fields)
     if isinstance(content, str):
-        return ChatMessage(role, (content,))
+        return ChatMessage(role, (content,), fields)
     if not isinstance(content, list):
         raise InvalidRequest(
             "content must be a string or an array of parts", param=f"{param}.content"
@@ -407,7 +395,55 @@ def _message(value: object, param: str, media: list[MediaSlot], budget: MediaBud
         _part(part, f"{param}.content[{index}]", role, media, budget)
         for index, part in enumerate(content)
     ]
-    return ChatMessage(role, tuple(parts))
+    return ChatMessage(role, tuple(parts), fields)
+
+
+def _message_fields(
+    message: dict[str, object], role: str, param: str, policy: FieldPolicy
+) -> dict[str, object]:
+    """A message's keys besides ``role`` and ``content``, checked; unknown ones refused."""
+    fields: dict[str, object] = {}
+    for key, value in message.items():
+        if value is None or key in ("role", "content"):
+            continue
+        where = f"{param}.{key}"
+        check = _MESSAGE_FIELDS.get(key)
+        if check is not None:
+            roles, checker = check
+            if role not in roles:
+                raise InvalidRequest(
+                    f"{key} is only allowed in {' or '.join(sorted(roles))} messages", param=where
+                )
+            fields[key] = checker(value, where)
+        elif policy.unknown == "forward":
+            fields[key] = value
+        else:
+            raise InvalidRequest(
+                f"unknown message field {key!r}", param=where, code="unknown_parameter"
+            )
+    return fields
+
+
+def _tool_call(value: object, param: str) -> object:
+    call = _object(value, param)
+    _required(call, "id", _string(None), prefix=f"{param}.")
+    if call.get("type", "function") != "function":
+        raise InvalidRequest("tool call type must be 'function'", param=f"{param}.type")
+    function = _object(call.get("function"), f"{param}.function")
+    _required(function, "name", _string(None), prefix=f"{param}.function.")
+    _required(function, "arguments", _string(None), prefix=f"{param}.function.")
+    return call
+
+
+_ANY_ROLE: Final = frozenset(_ROLES.values())
+_MESSAGE_FIELDS: Final[dict[str, tuple[frozenset[str], Callable[[object, str], object]]]] = {
+    "name": (_ANY_ROLE, string),
+    "tool_calls": (frozenset({"assistant"}), list_of(_tool_call, MAX_MESSAGES)),
+    "tool_call_id": (frozenset({"tool"}), string),
+    "reasoning_content": (frozenset({"assistant"}), string),
+    "reasoning": (frozenset({"assistant"}), string),
+}
+"""Message keys forwarded in :attr:`ChatMessage.fields`: the roles that may carry them, a check."""
 
 
 def _part(

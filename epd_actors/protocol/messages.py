@@ -24,12 +24,20 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, Final
 
 from ..errors import LocalProtocolError
 from .schema import Struct, compile_struct, require
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""The version this package speaks.  Version 2 added the request ``options``,
+``ChatMessage.fields``, the optional sampling fields, the ``Delta`` fields
+``tokens``, ``top_logprobs`` and ``fields``, and ``ErrorReply.param``."""
+
+SUPPORTED_PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2)
+"""Versions a worker accepts.  A version-1 client sends a subset of version 2
+(its messages never carry the fields version 2 added), so a worker of this
+package serves it, answering with the client's version."""
 
 
 class Role(enum.StrEnum):
@@ -100,11 +108,15 @@ class ChatMessage:
     """One chat turn.  ``parts`` mixes text (str) and media references (int).
 
     An int part is an index into the request's ``media`` tuple, so the chat
-    template can place each item where the client put it.
+    template can place each item where the client put it.  ``fields`` holds
+    the message's other OpenAI keys, as the client sent them: ``name``,
+    ``tool_calls`` of an assistant turn, ``tool_call_id`` of a tool result,
+    ``reasoning_content``.
     """
 
     role: str
     parts: tuple[str | int, ...]
+    fields: dict[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,24 +134,47 @@ class Prompt:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """The sampling parameters a stage needs.  ``top_k == 0`` disables top-k."""
+    """The sampling parameters the router reads; ``None`` leaves the choice to the engine.
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    A field the client did not set stays ``None`` and is not sent on: the
+    engine applies its own default (vLLM: the model's generation config, and
+    for ``max_tokens`` the rest of the context window).  ``top_k`` 0 or -1
+    disables top-k, as in vLLM.  Every other vLLM sampling field travels in
+    the stage request's ``options``.
+    """
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
     min_tokens: int = 0
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        require(self.max_tokens >= 1, "max_tokens must be >= 1")
-        require(self.temperature >= 0.0, "temperature must be >= 0")
-        require(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
-        require(self.top_k >= -1, "top_k must be >= -1")
-        require(0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]")
+        require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1")
+        require(self.temperature is None or self.temperature >= 0.0, "temperature must be >= 0")
+        require(self.top_p is None or 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        require(self.top_k is None or self.top_k >= -1, "top_k must be >= -1")
+        require(
+            0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
+            "min_tokens must be in [0, max_tokens]",
+        )
         require(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the client asked for greedy sampling (``temperature`` 0)."""
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One candidate token and its log-probability (``top_logprobs`` entries)."""
+
+    token: str
+    logprob: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,11 +255,20 @@ class PrefillRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     kv_transfer_params: dict[str, object] | None = None
     ec_transfer_params: dict[str, object] | None = None
+    options: dict[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
-    """Stream output tokens.  D passes P's ``kv_transfer_params``; PD passes none."""
+    """Stream output tokens.  D passes P's ``kv_transfer_params``; PD passes none.
+
+    ``options`` (also on :class:`PrefillRequest`) carries the client's other
+    vLLM request fields, checked by the router and named as in vLLM's OpenAI
+    API (``frequency_penalty``, ``logit_bias``, ``response_format``,
+    ``tools``, ``chat_template_kwargs``...; docs/http.md lists them).  An
+    engine that cannot honour one refuses the request with
+    ``invalid_request`` and ``param`` naming it; it never ignores one.
+    """
 
     TAG: ClassVar[str] = "generate"
     request_id: str
@@ -233,6 +277,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     kv_transfer_params: dict[str, object] | None = None
     ec_transfer_params: dict[str, object] | None = None
+    options: dict[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +297,11 @@ class Delta:
     """Some output tokens of a generate request; terminal when ``finish_reason`` is set.
 
     A worker may put several tokens in one delta (it should, under load).
-    ``logprobs``, when requested, has one entry per token id.
+    ``logprobs``, when requested, has one entry per token id; so do
+    ``tokens`` (each sampled token's text) and ``top_logprobs`` (its
+    alternatives), when the engine has them.  ``fields`` holds the other keys
+    of an OpenAI chat delta the engine produced, such as ``tool_calls`` (the
+    streamed tool-call pieces) or ``reasoning_content``.
     """
 
     TAG: ClassVar[str] = "delta"
@@ -263,11 +312,18 @@ class Delta:
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: dict[str, float] | None = None
+    tokens: tuple[str, ...] | None = None
+    top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None
+    fields: dict[str, object] | None = None
 
     def __post_init__(self) -> None:
         # Tested inline rather than through ``require``: one is built per token.
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise LocalProtocolError("logprobs needs one entry per token id")
+        if self.tokens is not None and len(self.tokens) != len(self.token_ids):
+            raise LocalProtocolError("tokens needs one entry per token id")
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
+            raise LocalProtocolError("top_logprobs needs one entry per token id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +335,7 @@ class ErrorReply:
     code: str
     message: str
     retryable: bool = False
+    param: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,26 +457,108 @@ STRUCTS_BY_TYPE: dict[type, Struct] = {s.cls: s for s in STRUCTS_BY_TAG.values()
 def merge_deltas(deltas: list[Delta]) -> Delta:
     """Concatenate consecutive deltas of one request into a single delta.
 
-    Token ids, text and logprobs are concatenated in order; ``finish_reason``,
+    Token ids and text are concatenated in order; ``finish_reason``,
     ``usage`` and ``timings`` come from the last delta (only a terminal delta
-    sets them, and it is always last).  Logprobs survive only if every delta
-    that carries tokens carries them.  Used to put every token already queued
+    sets them, and it is always last).  A per-token array (``logprobs``,
+    ``tokens``, ``top_logprobs``) survives only if every delta that carries
+    tokens carries it.  ``fields`` are merged as a client would accumulate
+    them (:func:`merge_delta_fields`).  Used to put every token already queued
     for a request into one frame.
     """
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
-    token_ids = tuple(t for delta in deltas for t in delta.token_ids)
-    logprobs: tuple[float, ...] | None = None
     with_tokens = [delta for delta in deltas if delta.token_ids]
-    if with_tokens and all(delta.logprobs is not None for delta in with_tokens):
-        logprobs = tuple(lp for delta in with_tokens for lp in delta.logprobs or ())
+    fields: dict[str, object] | None = None
+    for delta in deltas:
+        if delta.fields:
+            fields = merge_delta_fields(fields or {}, delta.fields)
     return Delta(
         request_id=last.request_id,
-        token_ids=token_ids,
+        token_ids=tuple(t for delta in deltas for t in delta.token_ids),
         text="".join(delta.text for delta in deltas),
-        logprobs=logprobs,
+        logprobs=_joined(with_tokens, "logprobs"),
         finish_reason=last.finish_reason,
         usage=last.usage,
         timings=last.timings,
+        tokens=_joined(with_tokens, "tokens"),
+        top_logprobs=_joined(with_tokens, "top_logprobs"),
+        fields=fields,
     )
+
+
+_PER_TOKEN: Final = ("logprobs", "tokens", "top_logprobs")
+
+
+def deltas_mergeable(deltas: list[Delta]) -> bool:
+    """Whether :func:`merge_deltas` keeps everything of ``deltas``.
+
+    A per-token array that some of the deltas with tokens carry and others do
+    not would be dropped by a merge; how a stream happens to be cut into reads
+    must not change what its caller gets, so such deltas go on one by one.
+    """
+    with_tokens = [delta for delta in deltas if delta.token_ids]
+    return all(
+        len({getattr(delta, name) is None for delta in with_tokens}) < 2 for name in _PER_TOKEN
+    )
+
+
+def _joined(deltas: list[Delta], name: str) -> Any:
+    """Delta attribute ``name`` (a per-token tuple) concatenated, or None unless all have it."""
+    parts = [getattr(delta, name) for delta in deltas]
+    if not parts or any(part is None for part in parts):
+        return None
+    return tuple(item for part in parts for item in part)
+
+
+def merge_delta_fields(into: dict[str, object], new: dict[str, object]) -> dict[str, object]:
+    """Add the chat-delta ``fields`` of a later delta to ``into`` (returned, not mutated).
+
+    Strings are concatenated (``reasoning_content`` arrives in pieces);
+    ``tool_calls`` pieces with the same ``index`` become one piece whose
+    ``function.arguments`` strings are concatenated and whose first ``id``,
+    ``type`` and ``function.name`` stand -- what an OpenAI client would have
+    built from the two chunks; anything else takes the later value.
+    """
+    out = dict(into)
+    for key, value in new.items():
+        before = out.get(key)
+        if isinstance(before, str) and isinstance(value, str):
+            out[key] = before + value
+        elif key == "tool_calls" and isinstance(before, list) and isinstance(value, list):
+            out[key] = _merged_tool_calls(before, value)
+        else:
+            out[key] = value
+    return out
+
+
+def _merged_tool_calls(before: list[object], new: list[object]) -> list[object]:
+    calls: list[object] = [dict(c) if isinstance(c, dict) else c for c in before]
+    by_index = {c.get("index"): c for c in calls if isinstance(c, dict)}
+    for piece in new:
+        if not isinstance(piece, dict):
+            calls.append(piece)
+            continue
+        known = by_index.get(piece.get("index"))
+        if known is None:
+            copy = dict(piece)
+            by_index[piece.get("index")] = copy
+            calls.append(copy)
+            continue
+        for key, value in piece.items():
+            if key == "function" and isinstance(value, dict):
+                known["function"] = _merged_function(known.get("function"), value)
+            elif known.get(key) is None:
+                known[key] = value
+    return calls
+
+
+def _merged_function(before: object, new: dict[str, object]) -> dict[str, object]:
+    out = dict(before) if isinstance(before, dict) else {}
+    for key, value in new.items():
+        if key == "arguments" and isinstance(value, str):
+            previous = out.get("arguments")
+            out["arguments"] = (previous if isinstance(previous, str) else "") + value
+        elif out.get(key) is None:
+            out[key] = value
+    return out

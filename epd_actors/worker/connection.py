@@ -17,7 +17,7 @@ import trio
 from ..errors import ConnectionLost, EngineCrashed, EngineError, RemoteProtocolError
 from ..limits import CLEANUP_TIMEOUT_S, WORKER_DELTA_BUFFER
 from ..protocol import (
-    PROTOCOL_VERSION,
+    SUPPORTED_PROTOCOL_VERSIONS,
     Abort,
     Aborted,
     Delta,
@@ -37,8 +37,10 @@ from ..protocol import (
     StageRequest,
     StageResult,
     Welcome,
+    deltas_mergeable,
     merge_deltas,
 )
+from .engine import check_options
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -132,11 +134,11 @@ class _Connection:
         if not isinstance(hello, Hello):
             await self._refuse(ErrorCode.PROTOCOL_ERROR, f"expected hello, got {type(hello).TAG}")
             return False
-        if hello.protocol_version != PROTOCOL_VERSION:
+        if hello.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS:
             await self._refuse(
                 ErrorCode.UNSUPPORTED_VERSION,
                 f"protocol version {hello.protocol_version} not supported "
-                f"(this worker speaks {PROTOCOL_VERSION})",
+                f"(this worker speaks {', '.join(map(str, SUPPORTED_PROTOCOL_VERSIONS))})",
             )
             return False
         expected = config.auth_token
@@ -147,7 +149,7 @@ class _Connection:
             return False
         await self.framed.send(
             Welcome(
-                protocol_version=PROTOCOL_VERSION,
+                protocol_version=hello.protocol_version,
                 worker_id=config.worker_id,
                 role=self.engine.role.value,
                 model=self.engine.model,
@@ -196,6 +198,7 @@ class _Connection:
                 raise EngineError(
                     ErrorCode.DUPLICATE_REQUEST, f"request {request_id!r} is already running"
                 )
+            check_options(request, self.engine)
             self.server._admit()
         except EngineError as exc:
             self.server.refused_total += 1
@@ -388,15 +391,17 @@ class _DeltaPump:
                         batch.append(receive_channel.receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                merged = _with_request_id(merge_deltas(batch), self._request_id)
-                try:
-                    await self._framed.send(merged)
-                except ConnectionLost as exc:
-                    self.lost = exc
-                    return
-                if merged.finish_reason is not None:
-                    self.finished = True
-                    return
+                frames = (merge_deltas(batch),) if deltas_mergeable(batch) else batch
+                for frame in frames:
+                    framed = _with_request_id(frame, self._request_id)
+                    try:
+                        await self._framed.send(framed)
+                    except ConnectionLost as exc:
+                        self.lost = exc
+                        return
+                    if framed.finish_reason is not None:
+                        self.finished = True
+                        return
 
 
 def _with_request_id(message: Any, request_id: str) -> Any:
@@ -407,4 +412,4 @@ def _with_request_id(message: Any, request_id: str) -> Any:
 
 
 def _error_reply(request_id: str, exc: EngineError) -> ErrorReply:
-    return ErrorReply(request_id, exc.code, exc.detail, retryable=exc.retryable)
+    return ErrorReply(request_id, exc.code, exc.detail, retryable=exc.retryable, param=exc.param)

@@ -8,15 +8,18 @@ the runtime's tests drive it with fakes.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
+from ..errors import EngineError
 from ..protocol import (
     Delta,
     EncodeRequest,
+    ErrorCode,
     GenerateRequest,
     PrefillRequest,
     Role,
+    StageRequest,
     StageResult,
 )
 
@@ -43,6 +46,8 @@ class Engine(Protocol):
     role: Role
     model: str
     capabilities: tuple[str, ...]
+    supported_options: frozenset[str]
+    """The request ``options`` this engine honours; :func:`check_options` refuses others."""
 
     async def encode(self, request: EncodeRequest) -> StageResult:
         """Encode every media item into the encoder cache (role ``encode``)."""
@@ -70,3 +75,33 @@ class Engine(Protocol):
     def is_ready(self) -> bool:
         """True when the engine can take work (not merely when the process is up)."""
         ...
+
+
+def check_options(request: StageRequest, engine: Engine) -> None:
+    """Refuse a request carrying an option the engine cannot honour.
+
+    An option an engine does not apply would change the answer without
+    anybody seeing it, so the request fails instead, naming the field.
+
+    Raises:
+        EngineError: ``invalid_request``, with ``param`` naming the first such option.
+    """
+    if isinstance(request, EncodeRequest) or not request.options:
+        return
+    check_option_names(request.options, engine)
+
+
+def check_option_names(names: Iterable[str], engine: Engine) -> None:
+    """:func:`check_options` for option names (a server that has no stage request yet).
+
+    Raises:
+        EngineError: ``invalid_request``, with ``param`` naming the first unsupported one.
+    """
+    for name in names:
+        if name not in engine.supported_options:
+            raise EngineError(
+                ErrorCode.INVALID_REQUEST,
+                f"{name} is not supported by this worker's {'/'.join(engine.capabilities)} "
+                f"engine (model {engine.model})",
+                param=name,
+            )

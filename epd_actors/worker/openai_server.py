@@ -72,6 +72,7 @@ import trio
 from ..addresses import parse_address
 from ..errors import ConfigError, EngineCrashed, EngineError, InvalidRequest
 from ..frontends.media import MediaLimits
+from ..frontends.openai_fields import TRANSFER_FIELDS, FieldPolicy
 from ..frontends.openai_format import (
     DONE_EVENT,
     error_body,
@@ -84,6 +85,7 @@ from ..frontends.openai_format import (
 from ..frontends.openai_schema import parse_chat_completion, parse_completion
 from ..limits import CLEANUP_TIMEOUT_S, RECEIVE_CHUNK_BYTES
 from ..protocol import EncodeRequest, ErrorCode, GenerateRequest, PrefillRequest, Role, Usage
+from .engine import check_option_names
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -252,6 +254,17 @@ class _Exchange:
     parsed: ParsedRequest
     body: dict[str, object]
     gone: bool = False
+
+    @property
+    def options(self) -> dict[str, object] | None:
+        """The client's engine fields: the body's options less what the router adds."""
+        options = self.parsed.options or {}
+        kept = {name: value for name, value in options.items() if name not in TRANSFER_FIELDS}
+        return kept or None
+
+
+_FIELDS: Final = FieldPolicy(accept_transfer_fields=True)
+"""A vLLM server takes the fields a disaggregating router adds (``kv_transfer_params``...)."""
 
 
 class SimOpenAIServer:
@@ -426,7 +439,7 @@ class SimOpenAIServer:
         request_id = request_id or f"sim-{secrets.token_hex(8)}"
         try:
             parse = parse_chat_completion if path == CHAT_PATH else parse_completion
-            parsed = parse(body, request_id=request_id, limits=self.settings.media)
+            parsed = parse(body, request_id=request_id, limits=self.settings.media, policy=_FIELDS)
             if parsed.pending:
                 raise InvalidRequest("the simulator accepts inline (data:) media only")
             exchange = _Exchange(conn, request_id, entry, parsed, body)
@@ -437,7 +450,9 @@ class SimOpenAIServer:
                 self.running -= 1
         except InvalidRequest as exc:
             self.log.update(entry, status=400, outcome="invalid_request")
-            await self._send_error(conn, 400, str(exc), ErrorCode.INVALID_REQUEST, request_id)
+            await self._send_error(
+                conn, 400, str(exc), ErrorCode.INVALID_REQUEST, request_id, param=exc.param
+            )
         except _Refused as exc:
             self.log.update(entry, status=exc.status, outcome=exc.code or "refused")
             await self._send_error(conn, exc.status, str(exc), exc.code, request_id)
@@ -448,6 +463,7 @@ class SimOpenAIServer:
         """Check the role's contract, run the engine, answer; see the module docstring."""
         role = self.engine.role
         parsed, body = exchange.parsed, exchange.body
+        check_option_names(exchange.options or (), self.engine)
         if role in (Role.ENCODE, Role.PREFILL) and parsed.stream:
             raise _Refused(400, f"a {role.value} worker answers stream: false requests only")
         kv = body.get("kv_transfer_params")
@@ -512,15 +528,16 @@ class SimOpenAIServer:
             status, code, message = 500, ErrorCode.INTERNAL, f"engine crashed: {exc}"
         else:
             status, code, message = _STATUS_OF_CODE.get(exc.code, 500), exc.code, exc.detail
+        param = exc.param if isinstance(exc, EngineError) else None
         self.log.update(exchange.entry, status=status, outcome=code)
         conn = exchange.conn
         if conn.h11.our_state is h11.SEND_BODY:
             # Headers are out: vLLM's way is an error event, then [DONE].
-            payload = error_body(message, type=_error_type(status), code=code)
+            payload = error_body(message, type=_error_type(status), code=code, param=param)
             await self._send(conn, h11.Data(data=_sse(payload) + DONE_EVENT.encode()))
             await self._send(conn, h11.EndOfMessage())
             return
-        await self._send_error(conn, status, message, code, exchange.request_id)
+        await self._send_error(conn, status, message, code, exchange.request_id, param=param)
 
     async def _encode(self, exchange: _Exchange) -> None:
         media = exchange.parsed.request.media
@@ -541,6 +558,7 @@ class SimOpenAIServer:
                 request.media,
                 request.sampling,
                 ec_transfer_params=ec if isinstance(ec, dict) else None,
+                options=exchange.options,
             )
         )
         answer = self._body(exchange, "", "length", Usage(result.prompt_tokens, 1))
@@ -579,6 +597,7 @@ class SimOpenAIServer:
             if isinstance(kv, dict) and self.engine.role is Role.DECODE
             else None,
             ec_transfer_params=ec if isinstance(ec, dict) else None,
+            options=exchange.options,
         )
 
     async def _unary(self, exchange: _Exchange) -> None:
@@ -693,10 +712,12 @@ class SimOpenAIServer:
         message: str,
         code: str | None = None,
         request_id: str | None = None,
+        *,
+        param: str | None = None,
     ) -> None:
         if conn.h11.our_state is not h11.SEND_RESPONSE:
             raise _ClientGone
-        body = error_body(message, type=_error_type(status), code=code)
+        body = error_body(message, type=_error_type(status), code=code, param=param)
         await self._send_json(conn, status, body, request_id)
 
 

@@ -221,6 +221,25 @@ class _Held:
 # ---------------------------------------------------------------- the engine
 
 
+SIM_OPTIONS: Final = frozenset(
+    {
+        "ignore_eos",  # the simulator has no end-of-sequence token: nothing to ignore
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "skip_special_tokens",  # and no special tokens to skip or space
+        "spaces_between_special_tokens",
+    }
+)
+"""The request options the simulator honours (docs/simulator.md); it refuses the rest."""
+
+
+def _stop_token_ids(options: dict[str, object]) -> frozenset[int]:
+    value = options.get("stop_token_ids")
+    if not isinstance(value, list):
+        return frozenset()
+    return frozenset(t for t in value if type(t) is int)
+
+
 class SimEngine:
     """A simulated engine for one role; see the module docstring for the model.
 
@@ -237,6 +256,7 @@ class SimEngine:
     """
 
     capabilities: tuple[str, ...] = ("sim",)
+    supported_options: frozenset[str] = SIM_OPTIONS
 
     def __init__(
         self,
@@ -505,7 +525,28 @@ class SimEngine:
         return self.config.encode_item_s + len(item.data) / 1024 * self.config.encode_kib_s
 
     def _prompt_tokens(self, prompt: Prompt, media: tuple[MediaItem, ...]) -> int:
-        return count_prompt_tokens(prompt, media, self.config.media_tokens_per_item)
+        tokens = count_prompt_tokens(prompt, media, self.config.media_tokens_per_item)
+        if tokens >= self.config.max_model_len:
+            raise EngineError(
+                ErrorCode.INVALID_REQUEST,
+                f"the prompt has {tokens} tokens; this model's context is "
+                f"{self.config.max_model_len} tokens",
+            )
+        return tokens
+
+    def _output_limit(self, max_tokens: int | None, prompt_tokens: int) -> int:
+        """How many tokens a stream may produce: ``max_tokens``, else the rest of the context."""
+        room = self.config.max_model_len - prompt_tokens
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise EngineError(
+                ErrorCode.INVALID_REQUEST,
+                f"max_tokens ({max_tokens}) is more than the {room} tokens left in this "
+                f"model's context of {self.config.max_model_len} after the prompt",
+                param="max_tokens",
+            )
+        return max_tokens
 
     async def _load_encoder_outputs(self, items: dict[str, MediaItem]) -> float:
         """Find every item's entry, or refuse (strict) / encode it here (recompute)."""
@@ -614,8 +655,11 @@ class SimEngine:
         timings: dict[str, float],
     ) -> None:
         config, sampling, rid = self.config, request.sampling, request.request_id
+        options = request.options or {}
+        limit = self._output_limit(sampling.max_tokens, prompt_tokens)
+        stop_ids = _stop_token_ids(options)
         source = _TokenSource(digest, sampling)
-        text = _StopText(sampling.stop)
+        text = _StopText(sampling.stop, keep_stop=options.get("include_stop_str_in_output") is True)
         chunk = 1 if config.output_token_s > 0 else config.tokens_per_delta
         faults = {config.stall_after_tokens, config.crash_after_tokens}
         ids: list[int] = []
@@ -634,9 +678,12 @@ class SimEngine:
             ids.append(token_id)
             logprobs.append(logprob)
             finish: str | None = None
-            if text.push(piece, may_stop=produced >= sampling.min_tokens):
+            may_stop = produced >= sampling.min_tokens
+            if may_stop and token_id in stop_ids:
+                finish = "stop"  # a stop token's text is not output
+            elif text.push(piece, may_stop=may_stop):
                 finish = "stop"
-            elif produced >= sampling.max_tokens:
+            elif produced >= limit:
                 finish = "length"
             if finish is None and len(ids) < chunk and produced not in faults:
                 continue

@@ -143,6 +143,14 @@ class SimConfig:
         ),
     )
     media_tokens_per_item: int = _knob(256, _ints("prompt tokens each media item adds", 0))
+    max_model_len: int = _knob(
+        8192,
+        _ints(
+            "context window, tokens: a request without max_tokens generates up to its end "
+            "(as vLLM does); a longer prompt, or a max_tokens past it, is refused",
+            1,
+        ),
+    )
     ec_mode: str = _knob(
         "strict",
         KnobSpec(

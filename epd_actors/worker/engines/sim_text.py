@@ -102,9 +102,10 @@ class _TokenSource:
 class _StopText:
     """Accumulates output text, finds stop strings, holds back a possible partial stop."""
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], *, keep_stop: bool = False) -> None:
         self._stops = tuple(s for s in stops if s)
         self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._keep_stop = keep_stop  # include_stop_str_in_output
         self._text = ""
         self._sent = 0
 
@@ -114,10 +115,11 @@ class _StopText:
         self._text += piece
         if not may_stop:
             return False
-        found = [i for s in self._stops if (i := self._text.find(s, window)) >= 0]
+        found = [(i, s) for s in self._stops if (i := self._text.find(s, window)) >= 0]
         if not found:
             return False
-        self._text = self._text[: min(found)]
+        at, stop = min(found)
+        self._text = self._text[: at + len(stop) if self._keep_stop else at]
         return True
 
     def take(self, *, final: bool) -> str:

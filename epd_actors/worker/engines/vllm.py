@@ -62,7 +62,7 @@ import logging
 import os
 from collections.abc import Callable
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import trio
@@ -83,6 +83,7 @@ from ...protocol import (
 from .asyncio_bridge import BridgeClosed, open_asyncio_bridge
 from .vllm_args import VLLM_MISSING, VllmOptions, engine_args_for_role, engine_cli_args
 from .vllm_io import (
+    VLLM_OPTIONS,
     MediaDecoder,
     RenderedPrompt,
     RequestOutputLike,
@@ -196,6 +197,9 @@ class VllmApi:
             ``ValueError`` and ``TypeError``.
         overload_errors: exception types meaning "full, try later"
             (``GracefulHTTPError``: queue overflow, too many queued tokens).
+        default_sampling: the model's generation-config sampling defaults
+            (vLLM's ``ModelConfig.get_diff_sampling_param()``), applied to the
+            fields a request leaves unset, as vLLM's OpenAI server does.
     """
 
     llm: AsyncLLMLike
@@ -203,6 +207,7 @@ class VllmApi:
     dead_errors: tuple[type[BaseException], ...] = ()
     client_errors: tuple[type[BaseException], ...] = ()
     overload_errors: tuple[type[BaseException], ...] = ()
+    default_sampling: Mapping[str, Any] = field(default_factory=dict)
 
 
 ApiFactory = Callable[[list[str]], VllmApi]
@@ -288,6 +293,7 @@ class VllmEngine:
     """
 
     capabilities: tuple[str, ...] = ("vllm",)
+    supported_options: frozenset[str] = VLLM_OPTIONS
 
     def __init__(
         self,
@@ -387,14 +393,18 @@ class VllmEngine:
         """
         self._check_stage("prefill", (Role.PREFILL,))
         start = trio.current_time()
-        rendered = await self._render(request.prompt, request.media)
+        rendered = await self._render(request.prompt, request.media, request.options)
         extra: dict[str, Any] = {
             "kv_transfer_params": {**REMOTE_DECODE_PARAMS, **(request.kv_transfer_params or {})}
         }
         if request.ec_transfer_params:
             extra["ec_transfer_params"] = dict(request.ec_transfer_params)
         params = self._sampling_params(
-            request.sampling, output_kind="final_only", max_tokens=1, extra_args=extra
+            request.sampling,
+            output_kind="final_only",
+            max_tokens=1,
+            extra_args=extra,
+            options=request.options,
         )
         begun = trio.current_time()
         async with self._tracking(request.request_id) as live:
@@ -426,13 +436,15 @@ class VllmEngine:
         """
         self._check_stage("generate", (Role.DECODE, Role.PD))
         start = trio.current_time()
-        rendered = await self._render(request.prompt, request.media)
+        rendered = await self._render(request.prompt, request.media, request.options)
         extra: dict[str, Any] = {}
         if request.kv_transfer_params is not None:
             extra["kv_transfer_params"] = dict(request.kv_transfer_params)
         if request.ec_transfer_params and self.role == Role.PD:
             extra["ec_transfer_params"] = dict(request.ec_transfer_params)
-        params = self._sampling_params(request.sampling, output_kind="delta", extra_args=extra)
+        params = self._sampling_params(
+            request.sampling, output_kind="delta", extra_args=extra, options=request.options
+        )
         accumulator = StreamAccumulator(
             request.request_id, want_logprobs=request.sampling.logprobs is not None, start=start
         )
@@ -524,14 +536,25 @@ class VllmEngine:
         output_kind: str,
         max_tokens: int | None = None,
         extra_args: Mapping[str, Any] | None = None,
+        options: Mapping[str, object] | None = None,
     ) -> Any:
         kwargs = sampling_kwargs(
-            sampling, output_kind=output_kind, max_tokens=max_tokens, extra_args=extra_args
+            sampling,
+            output_kind=output_kind,
+            max_tokens=max_tokens,
+            extra_args=extra_args,
+            options=options,
+            defaults=self._api.default_sampling,
         )
         with self._vllm_errors():
             return self._api.make_sampling_params(kwargs)
 
-    async def _render(self, prompt: Prompt, media: Sequence[MediaItem]) -> RenderedPrompt:
+    async def _render(
+        self,
+        prompt: Prompt,
+        media: Sequence[MediaItem],
+        options: Mapping[str, object] | None = None,
+    ) -> RenderedPrompt:
         """Render in a worker thread when there is real work (templates, decoding)."""
         if not media and prompt.messages is None:
             return render_prompt(prompt, media, tokenizer=self._tokenizer)
@@ -542,6 +565,7 @@ class VllmEngine:
                 tokenizer=self._tokenizer,
                 chat_template=self._chat_template,
                 decode_media=self._decode_media,
+                options=options,
             )
         )
 
@@ -691,7 +715,12 @@ def build_vllm_api(cli_args: list[str]) -> VllmApi:
     }
 
     def make_sampling_params(kwargs: dict[str, Any]) -> Any:
-        return vllm.SamplingParams(**{**kwargs, "output_kind": kinds[kwargs["output_kind"]]})
+        kwargs = {**kwargs, "output_kind": kinds[kwargs["output_kind"]]}
+        if "structured_outputs" in kwargs:
+            kwargs["structured_outputs"] = sampling.StructuredOutputsParams(
+                **kwargs["structured_outputs"]
+            )
+        return vllm.SamplingParams(**kwargs)
 
     def error_types(*names: str) -> tuple[type[BaseException], ...]:
         found = (getattr(vllm_errors, name, None) for name in names)
@@ -700,13 +729,24 @@ def build_vllm_api(cli_args: list[str]) -> VllmApi:
     # The engine is built inside the return expression on purpose: no local of
     # this frame names it.  vLLM keeps tracebacks of optional imports that failed
     # (placeholder modules), and those keep this frame -- and its locals -- alive.
-    return VllmApi(
-        async_llm.AsyncLLM.from_engine_args(engine_args),
-        make_sampling_params,
-        dead_errors=(engine_errors.EngineDeadError,),
-        client_errors=error_types("VLLMClientError"),
-        overload_errors=error_types("GracefulHTTPError"),
+    return _with_generation_config(
+        VllmApi(
+            async_llm.AsyncLLM.from_engine_args(engine_args),
+            make_sampling_params,
+            dead_errors=(engine_errors.EngineDeadError,),
+            client_errors=error_types("VLLMClientError"),
+            overload_errors=error_types("GracefulHTTPError"),
+        )
     )
+
+
+def _with_generation_config(api: VllmApi) -> VllmApi:
+    """``api`` with the model's generation-config defaults (none if vLLM has no such call)."""
+    model_config = getattr(api.llm, "model_config", None)
+    read = getattr(model_config, "get_diff_sampling_param", None)
+    if read is None:
+        return api
+    return replace(api, default_sampling=dict(read()))
 
 
 @asynccontextmanager

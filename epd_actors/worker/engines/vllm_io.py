@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FAILED_FINISH_REASONS",
+    "VLLM_OPTIONS",
     "CompletionOutputLike",
     "MediaDecoder",
     "RenderedPrompt",
@@ -82,30 +83,99 @@ class RequestOutputLike(Protocol):
 # ---------------------------------------------------------------- requests -> vLLM inputs
 
 
+SAMPLING_OPTIONS: Final = frozenset(
+    {
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_p",
+        "ignore_eos",
+        "stop_token_ids",
+        "bad_words",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "allowed_token_ids",
+        "logit_bias",
+    }
+)
+"""Request options that are ``SamplingParams`` arguments of the same name."""
+
+STRUCTURED_OPTIONS: Final[dict[str, Callable[[Any], dict[str, Any]]]] = {
+    "structured_outputs": lambda value: dict(value),
+    "guided_json": lambda value: {"json": value},
+    "guided_regex": lambda value: {"regex": value},
+    "guided_choice": lambda value: {"choice": value},
+    "guided_grammar": lambda value: {"grammar": value},
+    "structural_tag": lambda value: {"structural_tag": value},
+    "response_format": lambda value: _response_format(value),
+}
+"""Request options that constrain the output, each as ``StructuredOutputsParams`` fields."""
+
+TEMPLATE_OPTIONS: Final = frozenset(
+    {"chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
+)
+"""Request options that shape how chat messages are rendered (:func:`render_prompt`)."""
+
+VLLM_OPTIONS: Final = SAMPLING_OPTIONS | STRUCTURED_OPTIONS.keys() | TEMPLATE_OPTIONS
+"""Every request option the native vLLM engine honours; it refuses the others."""
+
+
+def _response_format(value: Mapping[str, Any]) -> dict[str, Any]:
+    kind = value.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = value.get("json_schema") or {}
+        return {"json": schema.get("schema", {})}
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps(value)}
+    return {}  # "text": no constraint
+
+
 def sampling_kwargs(
     sampling: SamplingParams,
     *,
     output_kind: str,
     max_tokens: int | None = None,
     extra_args: Mapping[str, Any] | None = None,
+    options: Mapping[str, object] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """vLLM ``SamplingParams`` keyword arguments for ``sampling``.
+    """vLLM ``SamplingParams`` keyword arguments for ``sampling`` and the request's ``options``.
 
-    ``max_tokens`` overrides the request's (E and P ask for one token; then
-    ``min_tokens``, ``stop`` and ``logprobs`` are dropped too).
+    What the client left unset comes from ``defaults`` (the model's generation
+    config, as vLLM's own OpenAI server applies it), then from vLLM's own
+    defaults; ``max_tokens`` left unset is passed as None, which vLLM turns
+    into the rest of the context window.  A ``max_tokens`` given here
+    overrides the request's (E and P ask for one token; then ``min_tokens``,
+    ``stop`` and ``logprobs`` are dropped too).  Structured-output options
+    become one ``structured_outputs`` map of ``StructuredOutputsParams`` fields.
     """
     one_token = max_tokens is not None
-    kwargs: dict[str, Any] = {
-        "max_tokens": sampling.max_tokens if max_tokens is None else max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "seed": sampling.seed,
-        "min_tokens": 0 if one_token else sampling.min_tokens,
-        "stop": [] if one_token else list(sampling.stop),
-        "logprobs": None if one_token else sampling.logprobs,
-        "output_kind": output_kind,
-    }
+    kwargs: dict[str, Any] = dict(defaults or {})
+    for name in ("temperature", "top_p", "top_k"):
+        value = getattr(sampling, name)
+        if value is not None:
+            kwargs[name] = value
+    kwargs.update(
+        max_tokens=sampling.max_tokens if max_tokens is None else max_tokens,
+        seed=sampling.seed,
+        min_tokens=0 if one_token else sampling.min_tokens,
+        stop=[] if one_token else list(sampling.stop),
+        logprobs=None if one_token else sampling.logprobs,
+        output_kind=output_kind,
+    )
+    structured: dict[str, Any] = {}
+    for name, value in (options or {}).items():
+        if name == "logit_bias" and isinstance(value, dict):
+            kwargs[name] = {int(token): bias for token, bias in value.items()}
+        elif name in SAMPLING_OPTIONS:
+            kwargs[name] = value
+        elif name in STRUCTURED_OPTIONS:
+            structured.update(STRUCTURED_OPTIONS[name](value))
+    if structured:
+        kwargs["structured_outputs"] = structured
     if extra_args:
         kwargs["extra_args"] = dict(extra_args)
     return kwargs
@@ -152,13 +222,18 @@ def _conversation(
 
     A text-only message keeps string content (every template handles that); a
     message with media becomes a list of ``{"type": "text"}`` and ``{"type":
-    "image"}`` (or audio, video) parts where the client put them.
+    "image"}`` (or audio, video) parts where the client put them.  A message's
+    other keys (``tool_calls``, ``tool_call_id``, ``name``) go along, with
+    each tool call's JSON ``arguments`` decoded, as vLLM's server hands them
+    to templates.
     """
     conversation: list[dict[str, Any]] = []
     order: list[int] = []
     for message in messages:
+        extra = _template_fields(message.fields)
         if all(isinstance(part, str) for part in message.parts):
-            conversation.append({"role": message.role, "content": "".join(map(str, message.parts))})
+            text = "".join(map(str, message.parts))
+            conversation.append({**extra, "role": message.role, "content": text})
             continue
         content: list[dict[str, Any]] = []
         for part in message.parts:
@@ -169,15 +244,37 @@ def _conversation(
                 raise _invalid(f"message part refers to media item {part} of {len(media)}")
             content.append({"type": media[part].modality})
             order.append(part)
-        conversation.append({"role": message.role, "content": content})
+        conversation.append({**extra, "role": message.role, "content": content})
     unused = sorted(set(range(len(media))) - set(order))
     if unused:
         raise _invalid(f"media item {unused[0]} is not referenced by any message part")
     return conversation, order
 
 
+def _template_fields(fields: Mapping[str, object] | None) -> dict[str, Any]:
+    out: dict[str, Any] = dict(fields or {})
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [_decoded_arguments(call) for call in calls]
+    return out
+
+
+def _decoded_arguments(call: object) -> object:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    function = dict(call["function"])
+    try:
+        function["arguments"] = json.loads(function.get("arguments") or "{}")
+    except ValueError:
+        raise _invalid("a tool call's arguments are not JSON") from None
+    return {**call, "function": function}
+
+
 def _apply_template(
-    tokenizer: Any, conversation: list[dict[str, Any]], template: str | None
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    template: str | None,
+    template_options: Mapping[str, object],
 ) -> str:
     if tokenizer is None:
         raise EngineError(ErrorCode.ENGINE_ERROR, "this vLLM engine has no tokenizer for chats")
@@ -187,6 +284,12 @@ def _apply_template(
             "the model has no chat template; start the worker with --chat-template",
         )
     options: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+    kwargs = template_options.get("chat_template_kwargs")
+    if isinstance(kwargs, dict):
+        options.update(kwargs)
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if name in template_options:
+            options[name] = template_options[name]
     if template is not None:
         options["chat_template"] = template
     try:
@@ -205,6 +308,7 @@ def render_prompt(
     tokenizer: Any,
     chat_template: str | None = None,
     decode_media: MediaDecoder = decode_media_item,
+    options: Mapping[str, object] | None = None,
 ) -> RenderedPrompt:
     """Turn a request's prompt and media into a vLLM prompt.
 
@@ -213,7 +317,9 @@ def render_prompt(
     template with a placeholder where each media part is, and are tokenized
     without extra special tokens (the template has them).  Each distinct media
     item (by content hash) is decoded once; ``multi_modal_data`` lists the
-    decoded items per modality in placeholder order.
+    decoded items per modality in placeholder order.  The request's template
+    options (``chat_template_kwargs``, ``add_generation_prompt``,
+    ``continue_final_message``) go to the template as vLLM's server passes them.
 
     Raises:
         EngineError: ``invalid_request`` for bad media references, undecodable
@@ -222,7 +328,8 @@ def render_prompt(
     tokenization: dict[str, Any] | None = None
     if prompt.messages is not None:
         conversation, order = _conversation(prompt.messages, media)
-        inputs: dict[str, Any] = {"prompt": _apply_template(tokenizer, conversation, chat_template)}
+        text = _apply_template(tokenizer, conversation, chat_template, options or {})
+        inputs: dict[str, Any] = {"prompt": text}
         tokenization = {"add_special_tokens": False}
     else:
         order = list(range(len(media)))
