@@ -61,6 +61,7 @@ from trio_websocket import ConnectionClosed, Endpoint, wrap_server_stream
 
 from ..errors import ActorCrashed, ConfigError, EpdError, Overloaded, Unauthorized
 from ..request import DeltaEvent, DoneEvent, ErrorEvent
+from .body_checks import unknown_model
 from .http_errors import HttpError
 from .media import MediaLimits, open_allowed_fetcher, resolve_media
 from .openai_schema import parse_chat_completion, parse_completion
@@ -637,9 +638,7 @@ class WsConnection:
         parsed = parse(message.request, request_id=new_request_id(), limits=self._settings.media)
         models = self._settings.models
         if models and parsed.model not in models:
-            raise HttpError(
-                404, f"model {parsed.model!r} does not exist", code="model_not_found", param="model"
-            )
+            raise unknown_model(parsed.model)
         return parsed
 
     async def _stream(
