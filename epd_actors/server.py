@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
@@ -175,6 +175,8 @@ async def serve_router(
                 )
                 http_address = (host, listeners[0].socket.getsockname()[1])
                 ws_address = None
+                # As over HTTP, a request must name a model the router serves.
+                ws_settings = replace(server.ws, models=server.ws.models or tuple(app.models()))
                 if server.ws_listen is not None:
                     ws_host, ws_port = parse_host_port(server.ws_listen, key="server.ws_listen")
                     ws_server: WsServer = await acceptors.start(
@@ -183,7 +185,7 @@ async def serve_router(
                             router,
                             ws_host,
                             ws_port,
-                            settings=server.ws,
+                            settings=ws_settings,
                             handler_nursery=connections,
                         )
                     )

@@ -436,6 +436,89 @@ async def test_unknown_model_is_404() -> None:
     assert reply.error()["code"] == "model_not_found"
 
 
+SIM_CHAT = {**CHAT, "model": "sim-model"}
+SIM_COMPLETION = {"model": "sim-model", "prompt": "hi", "max_tokens": 4}
+LONE = "\ud800"  # json.dumps writes it as the escape a client would send
+
+SURROGATE_BODIES = [
+    pytest.param(
+        "/v1/chat/completions",
+        {**SIM_CHAT, "messages": [{"role": "user", "content": f"a{LONE}b"}]},
+        "messages[0].content",
+        id="content",
+    ),
+    pytest.param(
+        "/v1/chat/completions",
+        {
+            **SIM_CHAT,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": LONE}],
+                }
+            ],
+        },
+        "messages[0].content[1].text",
+        id="text-part",
+    ),
+    pytest.param("/v1/chat/completions", {**SIM_CHAT, "stop": [LONE]}, "stop[0]", id="stop"),
+    pytest.param("/v1/completions", {**SIM_COMPLETION, "prompt": LONE}, "prompt", id="prompt"),
+    pytest.param("/v1/chat/completions", {**SIM_CHAT, "user": LONE}, "user", id="user"),
+    pytest.param("/v1/chat/completions", {**SIM_CHAT, "model": LONE}, "model", id="model"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), SURROGATE_BODIES)
+async def test_a_lone_surrogate_anywhere_is_400_naming_the_field(
+    path: str, body: dict[str, object], param: str
+) -> None:
+    async with sim_app() as (fleet, app), connected(app) as client:
+        reply = await client.request("POST", path, json_body=body)
+        again = await client.request("GET", "/health")
+    assert reply.status == 400
+    assert reply.error()["type"] == "invalid_request_error"
+    assert reply.error()["param"] == param
+    assert again.status == 200  # a refused body leaves the connection usable
+    assert fleet.total("generate_requests", "decode") == 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'"\\uDBFF"', b'"\xed\xa0\x80"'],
+    ids=["upper-case-escape", "utf8-encoded-surrogate"],
+)
+async def test_a_lone_surrogate_in_the_raw_bytes_is_400(raw: bytes) -> None:
+    body = json.dumps(SIM_CHAT).encode().replace(b'"hi"', raw)
+    async with sim_app() as (_, app), connected(app) as client:
+        reply = await client.request(
+            "POST",
+            "/v1/chat/completions",
+            body=body,
+            headers=(("content-type", "application/json"),),
+        )
+    assert reply.status == 400
+    assert reply.error()["param"] == "messages[0].content"
+
+
+async def test_a_surrogate_pair_is_an_ordinary_character() -> None:
+    body = {
+        **SIM_CHAT,
+        "messages": [{"role": "user", "content": "\U0001f600"}],
+        "stop": ["\U0001f600"],
+    }
+    async with sim_app() as (fleet, app), connected(app) as client:
+        raw = json.dumps(body).encode()
+        assert b"\\ud83d\\ude00" in raw  # sent as a pair of escapes
+        reply = await client.request(
+            "POST",
+            "/v1/chat/completions",
+            body=raw,
+            headers=(("content-type", "application/json"),),
+        )
+    assert reply.status == 200
+    assert fleet.total("generate_requests", "decode") == 1
+
+
 async def test_declared_oversized_body_is_413_without_reading_it() -> None:
     settings = HttpSettings(max_body_bytes=1000, linger_s=0.5)
     async with connected(ScriptedApp(), settings) as client:

@@ -24,6 +24,7 @@ from trio_websocket import (
     wrap_client_stream,
 )
 
+from epd_actors.config_file import FileConfig, ServerConfig
 from epd_actors.errors import (
     ActorCrashed,
     ConfigError,
@@ -35,6 +36,7 @@ from epd_actors.errors import (
     StageTimeout,
     Unauthorized,
 )
+from epd_actors.frontends.body_checks import unknown_model
 from epd_actors.frontends.ws import WsServer, WsSettings, serve_ws
 from epd_actors.frontends.ws_messages import (
     CancelMessage,
@@ -45,6 +47,7 @@ from epd_actors.frontends.ws_messages import (
     parse_client_message,
 )
 from epd_actors.router import open_router
+from epd_actors.server import serve_router
 from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
 
 if TYPE_CHECKING:
@@ -472,3 +475,120 @@ async def test_oversized_message_closes_with_1009() -> None:
                 await ws.get_message()
     assert closed.value.reason is not None
     assert closed.value.reason.code == 1009
+
+
+# ---------------------------------------------------------------- lone surrogates, models
+
+LONE = "\ud800"  # json.dumps sends it as the escape "\ud800"
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        (chat("g", messages=[{"role": "user", "content": f"a{LONE}"}]), "messages[0].content"),
+        (
+            chat(
+                "g",
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": LONE}],
+                    }
+                ],
+            ),
+            "messages[0].content[1].text",
+        ),
+        (chat("g", stop=["x", LONE]), "stop[1]"),
+        (generate("g", prompt=LONE), "prompt"),
+        (generate("g", model=LONE), "model"),
+    ],
+    ids=["content", "text-part", "stop", "prompt", "model"],
+)
+async def test_a_lone_surrogate_in_the_body_is_refused_naming_the_field(
+    message: dict[str, object], param: str
+) -> None:
+    with trio.fail_after(GUARD_S):
+        async with serving() as served, open_websocket_url(served.url) as ws:
+            await send(ws, message)
+            refused = await receive(ws)
+            await send(ws, generate("after", 2))  # the connection stays usable
+            after = await until_terminal(ws, "after")
+            assert served.fleet.total("generate_requests", "decode") == 1
+    assert refused["type"] == "error"
+    assert refused["id"] == "g"
+    assert refused["error"]["type"] == "invalid_request_error"
+    assert refused["error"]["param"] == param
+    assert refused["error"]["code"] is None  # as over HTTP
+    assert after["after"][-1]["type"] == "done"
+
+
+def test_a_lone_surrogate_outside_the_body_names_the_frame_field() -> None:
+    with pytest.raises(WsMessageError) as in_id:
+        parse_client_message(json.dumps({"type": "cancel", "id": f"x{LONE}"}))
+    assert (in_id.value.param, in_id.value.client_id) == ("id", None)
+    with pytest.raises(WsMessageError) as in_extra:
+        parse_client_message(json.dumps({"type": "ping", "note": LONE}))
+    assert (in_extra.value.param, in_extra.value.client_id) == ("note", None)
+    with pytest.raises(WsMessageError) as in_request:
+        parse_client_message(json.dumps({**chat("g"), "request": {"user": LONE}}))
+    assert (in_request.value.param, in_request.value.client_id) == ("user", "g")
+
+
+async def test_a_surrogate_pair_streams_as_an_ordinary_character() -> None:
+    emoji = "\U0001f600"
+    message = chat("g", 3, messages=[{"role": "user", "content": emoji}], stop=[emoji])
+    assert "\\ud83d\\ude00" in json.dumps(message)  # sent as a pair of escapes
+    with trio.fail_after(GUARD_S):
+        async with serving() as served, open_websocket_url(served.url) as ws:
+            await send(ws, message)
+            seen = await until_terminal(ws, "g")
+    assert seen["g"][-1]["type"] == "done"
+
+
+@asynccontextmanager
+async def deployed(ws_settings: WsSettings | None = None) -> AsyncIterator[str]:
+    """``serve_router`` with a configuration like the built-in local deployment's; its WS URL."""
+    fleet = build_sim_fleet(EPD)
+    server = ServerConfig("127.0.0.1:0", "127.0.0.1:0", ws=ws_settings or WsSettings())
+    config = FileConfig(fleet.router_config(), server)
+    async with trio.open_nursery() as nursery:
+        start = partial(
+            serve_router, config, stop=trio.Event(), backend_factory=fleet.backend_factory
+        )
+        addresses, router = await nursery.start(start)
+        await router.wait_ready()
+        assert addresses.ws_url is not None
+        yield addresses.ws_url
+        nursery.cancel_scope.cancel(reason="test over")
+
+
+async def test_a_model_the_router_does_not_serve_is_refused_as_over_http() -> None:
+    with trio.fail_after(GUARD_S):
+        async with deployed() as url, open_websocket_url(url) as ws:
+            await send(ws, generate("other", 2, model="gpt-4o"))
+            refused = await receive(ws)
+            await send(ws, generate("served", 2))
+            served = await until_terminal(ws, "served")
+    assert refused == {
+        "type": "error",
+        "id": "other",
+        "error": error_payload(unknown_model("gpt-4o")),
+    }
+    assert refused["error"] == {
+        "message": "the model 'gpt-4o' does not exist",
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    assert served["served"][-1]["type"] == "done"
+
+
+async def test_configured_ws_models_are_the_ones_accepted() -> None:
+    with trio.fail_after(GUARD_S):
+        async with deployed(WsSettings(models=("alias",))) as url, open_websocket_url(url) as ws:
+            await send(ws, generate("alias", 2, model="alias"))
+            alias = await until_terminal(ws, "alias")
+            await send(ws, generate("sim", 2))
+            sim = await receive(ws)
+    assert alias["alias"][-1]["type"] == "done"
+    assert sim["error"]["code"] == "model_not_found"

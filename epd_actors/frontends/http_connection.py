@@ -13,7 +13,8 @@ request goes through:
    (401), content type (415), declared ``Content-Length`` (413), so a refused
    body is never read; then ``100 Continue`` if the client waits for it.
 3. *body*, read under ``body_timeout_s`` (408) while counting (413 as soon as a
-   chunked body passes the limit); then JSON (400), the OpenAI schema (400
+   chunked body passes the limit); then JSON (400), no lone surrogate in any
+   string (400 naming the field, :mod:`.body_checks`), the OpenAI schema (400
    naming the field), the model name (404), pending media.
 4. *generation*: ``app.generate(request)`` runs while the connection's reader
    task (one per connection, see :meth:`HttpConnection._read_loop`) reads the
@@ -51,6 +52,7 @@ from .._groups import single_exception
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
 from ..transport import send_some_nowait
+from .body_checks import reject_lone_surrogates, unknown_model
 from .http_body import body_framer
 from .http_errors import HttpError, error_response
 from .media import resolve_media
@@ -304,11 +306,13 @@ class HttpConnection:
             await self._send(h11.InformationalResponse(status_code=100, headers=[]))
         raw = await self._read_body(limit)
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
             raise HttpError(
                 400, f"request body is not valid JSON: {exc}", code="invalid_json"
             ) from None
+        reject_lone_surrogates(raw, body)
+        return body
 
     async def _read_body(self, limit: int) -> bytes:
         """The request body (at most ``limit`` bytes), within ``body_timeout_s``."""
@@ -399,13 +403,7 @@ class HttpConnection:
             )
         parsed = replace(parsed, priority=priority)
         if parsed.model not in self.app.models():
-            raise HttpError(
-                404,
-                f"the model {parsed.model!r} does not exist",
-                type="not_found_error",
-                code="model_not_found",
-                param="model",
-            )
+            raise unknown_model(parsed.model)
         if parsed.pending:
             parsed = await resolve_media(parsed, limits=self.settings.media, fetcher=self._fetcher)
         await self._watched(parsed)

@@ -2,11 +2,15 @@
 
 Theory of operation
 -------------------
-:func:`serve_ws` runs ``trio_websocket.serve_websocket``; each handshake goes
-to :meth:`WsServer.handle_request`, which refuses a wrong path (404) or a
-missing or wrong API key (401) and otherwise accepts and serves the
-connection with a :class:`WsConnection`.  docs/websocket.md defines the
-messages.
+:func:`serve_ws` accepts TCP connections with ``trio.serve_listeners`` and
+gives each to :meth:`WsServer.handle_stream`, the per-connection error
+boundary: it runs trio-websocket's handshake (``wrap_server_stream``: its
+reader task parses the request) and :meth:`WsServer.handle_request`, which
+refuses a wrong path (404) or a missing or wrong API key (401) and otherwise
+accepts and serves the connection with a :class:`WsConnection`.  Whatever
+fails there, in our code or in trio-websocket's tasks (a reset in the middle
+of the handshake, bytes that are not a handshake, a header wsproto cannot
+decode), ends that connection only.  docs/websocket.md defines the messages.
 
 The messages themselves (parsing and building them) live in
 :mod:`.ws_messages`; this module does the I/O.
@@ -50,13 +54,14 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Final, NoReturn, Protocol
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 import trio
-from trio_websocket import ConnectionClosed, Endpoint, serve_websocket
+from trio_websocket import ConnectionClosed, Endpoint, wrap_server_stream
 
 from ..errors import ActorCrashed, ConfigError, EpdError, Overloaded, Unauthorized
 from ..request import DeltaEvent, DoneEvent, ErrorEvent
+from .body_checks import unknown_model
 from .http_errors import HttpError
 from .media import MediaLimits, open_allowed_fetcher, resolve_media
 from .openai_schema import parse_chat_completion, parse_completion
@@ -78,7 +83,7 @@ from .ws_messages import (
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
 
-    from trio_websocket import WebSocketConnection, WebSocketRequest, WebSocketServer
+    from trio_websocket import WebSocketConnection, WebSocketRequest
 
     from ..request import GenerationEvent, GenerationRequest
     from .media import MediaFetcher
@@ -87,6 +92,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIB: Final = 1024 * 1024
+
+_PEER_GONE: Final = (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError)
+"""How a connection ends when its client resets or closes it at any point."""
 
 
 class WsApp(Protocol):
@@ -219,29 +227,23 @@ async def _serve(
     handler_nursery: trio.Nursery | None,
     task_status: trio.TaskStatus[WsServer],
 ) -> NoReturn:
-    settings = server.settings
+    listeners = await trio.open_tcp_listeners(port, host=host)
     async with trio.open_nursery() as nursery:
-        server.listener = await nursery.start(
+        server.listeners = await nursery.start(
             partial(
-                serve_websocket,
-                server.handle_request,
-                host,
-                port,
-                None,
+                trio.serve_listeners,
+                server.handle_stream,
+                listeners,
                 handler_nursery=handler_nursery,
-                message_queue_size=settings.incoming_buffer,
-                max_message_size=settings.max_message_bytes,
-                connect_timeout=settings.handshake_timeout_s,
-                disconnect_timeout=settings.close_timeout_s,
             )
         )
         task_status.started(server)
         await trio.sleep_forever()
-    raise AssertionError("serve_websocket returned")
+    raise AssertionError("serve_listeners returned")
 
 
 class WsServer:
-    """Serves WebSocket connections for one app; :meth:`handle_request` per handshake.
+    """Serves WebSocket connections for one app; :meth:`handle_stream` per TCP connection.
 
     Args:
         app: what generations run against.
@@ -255,22 +257,25 @@ class WsServer:
         self.app = app
         self.settings = settings
         self.fetcher = fetcher
-        self.listener: WebSocketServer | None = None
+        self.listeners: list[trio.SocketListener] = []
         self.connections: set[WsConnection] = set()
         self.accepted_total = 0
         self.rejected_total = 0
         self._api_keys = tuple(key.encode() for key in settings.api_keys)
 
     def __repr__(self) -> str:
-        port = self.port if self.listener else None
+        port = self.port if self.listeners else None
         return f"<WsServer port={port} connections={len(self.connections)}>"
 
     @property
     def port(self) -> int:
         """The listening port (the kernel's choice when started with port 0)."""
-        if self.listener is None:
+        ports = {listener.socket.getsockname()[1] for listener in self.listeners}
+        if not ports:
             raise RuntimeError("the server is not listening yet")
-        return int(self.listener.port)
+        if len(ports) > 1:
+            raise RuntimeError(f"the server listens on several ports: {sorted(ports)}")
+        return int(ports.pop())
 
     def statistics(self) -> WsServerStatistics:
         return WsServerStatistics(
@@ -289,33 +294,80 @@ class WsServer:
             matched |= hmac.compare_digest(presented, key)
         return matched and bool(presented)
 
-    async def handle_request(self, request: WebSocketRequest) -> None:
-        """Check one handshake, then serve the connection until it closes.
+    async def handle_stream(self, stream: trio.SocketStream) -> None:
+        """Serve one TCP connection: the opening handshake, then the WebSocket.
 
         This is the per-connection error boundary, as in the HTTP front end:
-        an unexpected exception (a bug) is logged with its traceback and closes
-        this connection only (code 1011); it never reaches the accept loop.
+        whatever fails here, in this module or in trio-websocket's reader task,
+        ends this connection only and never reaches the accept loop.  A client
+        that resets or closes, at any point, is logged at debug level; so is a
+        handshake that fails otherwise (bytes that are not a handshake, a
+        header wsproto cannot decode): both are the client's doing.  Anything
+        else, once the connection was accepted, is a bug, logged with its
+        traceback.
 
         Cancellation: cancels the connection's generations (their workers are
-        told to abort); trio-websocket then closes the socket (bounded by
-        ``close_timeout_s``).
+        told to abort) and closes the stream.
+        Backpressure: see :class:`WsConnection`; trio-websocket's reader stops
+        reading once ``incoming_buffer`` client messages wait.
+        Resource handling: the stream is always closed on return (forcefully,
+        without waiting).
         """
+        attempt = _Attempt(_stream_peer(stream))
+        try:
+            await self._serve_stream(stream, attempt)
+        except* Exception as group:
+            _log_failure(attempt, group)
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _serve_stream(self, stream: trio.SocketStream, attempt: _Attempt) -> None:
+        """Run trio-websocket's reader task beside the handshake and the connection."""
+        async with trio.open_nursery() as nursery:
+            request = await self._receive_handshake(nursery, stream)
+            if request is not None:
+                await self._handle_request(request, attempt)
+            nursery.cancel_scope.cancel(reason="connection ended")
+
+    async def _receive_handshake(
+        self, nursery: trio.Nursery, stream: trio.SocketStream
+    ) -> WebSocketRequest | None:
+        """The client's opening request; None when it took over ``handshake_timeout_s``."""
+        with trio.move_on_after(self.settings.handshake_timeout_s):
+            return await wrap_server_stream(
+                nursery,
+                stream,
+                message_queue_size=self.settings.incoming_buffer,
+                max_message_size=self.settings.max_message_bytes,
+            )
+        logger.debug("a handshake timed out")
+        return None
+
+    async def _handle_request(self, request: WebSocketRequest, attempt: _Attempt) -> None:
+        """Refuse or accept one handshake, then serve the connection until it closes."""
         refusal = self._refusal(request)
         if refusal is not None:
             self.rejected_total += 1
-            status, exc = refusal
-            with trio.move_on_after(self.settings.handshake_timeout_s):
-                await request.reject(
-                    status,
-                    extra_headers=[(b"content-type", b"application/json")],
-                    body=compact_json({"error": error_payload(exc)}).encode(),
-                )
+            await self._reject(request, *refusal)
             return
         with trio.move_on_after(self.settings.handshake_timeout_s) as accepting:
             ws = await request.accept()
         if accepting.cancelled_caught:
             return
+        attempt.accepted = True
         self.accepted_total += 1
+        await self._serve_accepted(ws)
+
+    async def _reject(self, request: WebSocketRequest, status: int, exc: Exception) -> None:
+        with trio.move_on_after(self.settings.handshake_timeout_s):
+            await request.reject(
+                status,
+                extra_headers=[(b"content-type", b"application/json")],
+                body=compact_json({"error": error_payload(exc)}).encode(),
+            )
+
+    async def _serve_accepted(self, ws: WebSocketConnection) -> None:
+        """Serve an accepted connection; a bug in it closes it with code 1011."""
         connection = WsConnection(self, ws)
         self.connections.add(connection)
         try:
@@ -330,7 +382,7 @@ class WsServer:
             await ws.aclose(1011 if reason == "internal error" else 1000, reason)
 
     def _refusal(self, request: WebSocketRequest) -> tuple[int, Exception] | None:
-        path = urlsplit(request.path).path  # never echo the query: it may hold a key
+        path, _ = _split_target(request.path)  # never echo the query: it may hold a key
         if path != self.settings.path:
             return 404, HttpError(
                 404,
@@ -343,12 +395,54 @@ class WsServer:
         return None
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """One TCP connection, for the log line if it fails."""
+
+    peer: str
+    accepted: bool = False
+
+    def __repr__(self) -> str:
+        state = "accepted" if self.accepted else "handshake"
+        return f"<WebSocket client {self.peer} ({state})>"
+
+
+def _log_failure(attempt: _Attempt, group: ExceptionGroup[Exception]) -> None:
+    _, unexpected = group.split(_PEER_GONE)
+    if unexpected is None:
+        logger.debug("%r: the client went away", attempt)
+    elif not attempt.accepted:
+        logger.debug("%r: the handshake failed", attempt, exc_info=unexpected)
+    else:
+        logger.error("%r: unexpected error; connection closed", attempt, exc_info=unexpected)
+
+
+def _stream_peer(stream: trio.SocketStream) -> str:
+    try:
+        peer = stream.socket.getpeername()
+    except OSError:  # already reset
+        return "?"
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    """The path and the query of a request target.
+
+    A WebSocket client sends the origin form (``/v1/ws?api_key=k``); it is
+    split at the first ``?`` rather than parsed as a URL, so nothing a client
+    puts there (``//[x``, which ``urlsplit`` refuses) can make the split fail.
+    """
+    path, _, query = target.partition("?")
+    return path, query
+
+
 def _presented_key(request: WebSocketRequest) -> bytes:
     for name, value in request.headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" else b""
-    keys = parse_qs(urlsplit(request.path).query).get("api_key")
+    _, query = _split_target(request.path)
+    keys = parse_qs(query).get("api_key")
     return keys[0].encode() if keys else b""
 
 
@@ -544,9 +638,7 @@ class WsConnection:
         parsed = parse(message.request, request_id=new_request_id(), limits=self._settings.media)
         models = self._settings.models
         if models and parsed.model not in models:
-            raise HttpError(
-                404, f"model {parsed.model!r} does not exist", code="model_not_found", param="model"
-            )
+            raise unknown_model(parsed.model)
         return parsed
 
     async def _stream(

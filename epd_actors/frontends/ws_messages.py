@@ -10,6 +10,12 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+from .body_checks import (
+    LoneSurrogate,
+    find_lone_surrogate,
+    lone_surrogate_error,
+    may_hold_lone_surrogate,
+)
 from .http_errors import HttpError, error_response
 from .openai_format import error_body, usage_body
 
@@ -56,7 +62,12 @@ class WsMessageError(HttpError):
     """A client message the server refuses; ``client_id`` is its id when it had a usable one."""
 
     def __init__(
-        self, message: str, *, code: str, param: str | None = None, client_id: str | None = None
+        self,
+        message: str,
+        *,
+        code: str | None,
+        param: str | None = None,
+        client_id: str | None = None,
     ) -> None:
         super().__init__(400, message, code=code, param=param)
         self.client_id = client_id
@@ -67,7 +78,8 @@ def parse_client_message(data: str | bytes) -> ClientMessage:
 
     Raises:
         WsMessageError: not JSON, not an object, an unknown ``type``, a bad
-            ``id`` (``client_id`` is None), or a bad ``kind`` (``client_id`` set).
+            ``id`` (``client_id`` is None), a bad ``kind`` (``client_id`` set),
+            or a lone surrogate in any string (see :func:`_surrogate_refusal`).
     """
     if not isinstance(data, str):
         raise WsMessageError("messages must be text frames holding JSON", code="invalid_message")
@@ -77,6 +89,10 @@ def parse_client_message(data: str | bytes) -> ClientMessage:
         raise WsMessageError(f"message is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(fields, dict):
         raise WsMessageError("a message must be a JSON object", code="invalid_message")
+    if may_hold_lone_surrogate(data):
+        found = find_lone_surrogate(fields)
+        if found is not None:
+            raise _surrogate_refusal(found, fields)
     kind = fields.get("type")
     if kind == "ping":
         return PingMessage()
@@ -84,8 +100,8 @@ def parse_client_message(data: str | bytes) -> ClientMessage:
         raise WsMessageError(
             "type must be one of generate, cancel, ping", code="unknown_type", param="type"
         )
-    client_id = fields.get("id")
-    if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_ID_CHARS:
+    client_id = _usable_id(fields)
+    if client_id is None:
         raise WsMessageError(
             f"id must be a string of 1 to {MAX_ID_CHARS} characters",
             code="invalid_message",
@@ -102,6 +118,27 @@ def parse_client_message(data: str | bytes) -> ClientMessage:
         param="kind",
         client_id=client_id,
     )
+
+
+def _usable_id(fields: dict[str, object]) -> str | None:
+    client_id = fields.get("id")
+    if isinstance(client_id, str) and 0 < len(client_id) <= MAX_ID_CHARS:
+        return client_id
+    return None
+
+
+def _surrogate_refusal(found: LoneSurrogate, fields: dict[str, object]) -> WsMessageError:
+    """The error for a lone surrogate in a frame, as HTTP gives it for the same body.
+
+    Inside ``request`` the path is the body's own (``messages[0].content``) and
+    the error carries the generation's id; elsewhere it names the frame's field.
+    """
+    in_request = found.path[:1] == ("request",)
+    refusal = lone_surrogate_error(found, within=1 if in_request else 0)
+    client_id = _usable_id(fields)
+    if client_id is not None and find_lone_surrogate(client_id) is not None:
+        client_id = None  # the id itself cannot be echoed
+    return WsMessageError(str(refusal), code=None, param=refusal.param, client_id=client_id)
 
 
 def _refuse_constant(name: str) -> object:
