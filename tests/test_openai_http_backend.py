@@ -684,15 +684,15 @@ async def test_a_server_of_another_model_is_refused_until_it_serves_the_router_s
         async with fleet_router(fleet, policies={"pd": "round_robin"}) as router:
             other = router.backends["pd-1"]
             await other.wait_connected()  # the probe that connected it read /v1/models too
+            for n in range(4):  # round robin would send pd-1 every other one
+                done = final(await collect(router, GenerationRequest(Prompt(text=f"hi {n}"))))
+                assert isinstance(done, DoneEvent), done
+            assert (len(fleet.log("pd-0")), fleet.log("pd-1")) == (4, [])
             status = other.status()
             assert (status.ready, status.refusals) == (False, 1)
             assert status.refused == "it serves model 'other-model', the router serves 'sim-model'"
             health = RouterHttpApp(router).health()[1]
             assert health["pools"]["pd"]["workers"][1]["refused"] == status.refused  # type: ignore[index]
-            for n in range(4):  # round robin would send pd-1 every other one
-                done = final(await collect(router, GenerationRequest(Prompt(text=f"hi {n}"))))
-                assert isinstance(done, DoneEvent), done
-            assert (len(fleet.log("pd-0")), fleet.log("pd-1")) == (4, [])
 
             fleet.engine("pd-1").model = MODEL  # the server now serves the router's model
             await other.wait_ready()
