@@ -9,6 +9,9 @@ success counts towards ``success_threshold`` (then the breaker closes), a
 failure opens it again for another cooldown.  Client errors (a request that
 would fail on any worker) are never recorded, so a bad request cannot take a
 healthy worker out of service, and one slow or failed request does not either.
+Nor are a worker's refusals for load (``overloaded``, ``draining``:
+:func:`is_backpressure`): a full worker is busy, not broken, and taking it out
+of service would only push its share of the load onto the others.
 
 The breaker complements the connection-level health of a backend (heartbeats,
 reconnects): a worker is usable when its backend is connected and ready *and*
@@ -20,7 +23,17 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from .errors import ConfigError, EpdError, RemoteWorkerError
+from .protocol import BACKPRESSURE_CODES
+
+
+def is_backpressure(error: EpdError) -> bool:
+    """Whether ``error`` is a worker saying it is full (``overloaded``) or leaving (``draining``).
+
+    Such a refusal says nothing about the worker's health: it never counts
+    against its breaker, and the job may go to another worker at once.
+    """
+    return isinstance(error, RemoteWorkerError) and error.code in BACKPRESSURE_CODES
 
 
 class BreakerState(enum.StrEnum):

@@ -182,6 +182,16 @@ class _StateCollector(Collector):
         aborts = CounterMetricFamily(
             "epd_aborts_sent", "Aborts sent to workers", labels=["stage", "worker"]
         )
+        refused = GaugeMetricFamily(
+            "epd_worker_refused",
+            "1 while the worker is refused: it announced a role or model its pool cannot use",
+            labels=["stage", "worker"],
+        )
+        refusals = CounterMetricFamily(
+            "epd_worker_refusals",
+            "Times the worker was refused for what it announced",
+            labels=["stage", "worker"],
+        )
         for stage, members in stats.pools.items():
             pool_in_flight.add_metric([stage], sum(m.in_flight for m in members))
             pool_usable.add_metric([stage], sum(m.usable for m in members))
@@ -189,6 +199,8 @@ class _StateCollector(Collector):
                 worker_in_flight.add_metric([stage, member.worker_id], member.in_flight)
                 worker_up.add_metric([stage, member.worker_id], 1.0 if member.usable else 0.0)
                 aborts.add_metric([stage, member.worker_id], member.aborts_sent)
+                refused.add_metric([stage, member.worker_id], float(member.refused is not None))
+                refusals.add_metric([stage, member.worker_id], member.refusals)
         supervisor = stats.supervisor
         retries = CounterMetricFamily(
             "epd_retries", "Stage attempts retried on another worker", labels=["stage"]
@@ -199,10 +211,10 @@ class _StateCollector(Collector):
         for stage, actor in stats.actors.items():
             retries.add_metric([stage], actor.retries_total)
             queued.add_metric([stage], actor.queued)
-        refusals = CounterMetricFamily(
+        admission_refusals = CounterMetricFamily(
             "epd_admission_refusals", "Requests refused at the in-flight limit"
         )
-        refusals.add_metric([], supervisor.requests_refused)
+        admission_refusals.add_metric([], supervisor.requests_refused)
         in_flight = GaugeMetricFamily("epd_requests_in_flight", "Requests being served")
         in_flight.add_metric([], supervisor.requests_in_flight)
         restarts = GaugeMetricFamily(
@@ -211,4 +223,4 @@ class _StateCollector(Collector):
         for stage, count in supervisor.actor_restarts.items():
             restarts.add_metric([stage], count)
         yield from (pool_in_flight, pool_usable, worker_in_flight, worker_up, in_flight, restarts)
-        yield from (retries, queued, refusals, aborts)
+        yield from (retries, queued, admission_refusals, aborts, refused, refusals)

@@ -3,8 +3,8 @@
 Theory of operation: a :class:`WorkerPool` holds one :class:`PoolMember` per
 worker (its backend plus the router's own bookkeeping).  To run a job an actor
 asks for a :class:`Lease`: the pool filters the members that can take work now
-(connected, engine ready, not draining, circuit breaker closed or probing,
-below ``max_in_flight_per_worker``, not excluded by the caller), lets the
+(connected, engine ready, not draining, not refused, circuit breaker closed
+or probing, below its in-flight limit, not excluded by the caller), lets the
 pool's routing policy pick one (a pure, synchronous decision), and counts the
 job against that member until the lease is released; the lease carries the
 job's verdict to the member's circuit breaker (``health.py``).  When every
@@ -13,6 +13,20 @@ request's deadline, which the caller owns); when no member is usable at all
 the pool refuses at once with ``NoHealthyWorker``, and so does every waiter
 once the members it waited for become unusable (each waiter that finds none
 wakes the next).
+
+A member's in-flight limit is the pool's ``max_in_flight_per_worker``, or the
+``max_concurrency`` its worker announced when that is lower: the router keeps
+the excess queued here, where any worker that frees a slot can take it, rather
+than in one worker's queue.  A worker that refuses a job because it is full
+anyway (``overloaded``, or ``draining``) is not failing: that refusal never
+counts against its breaker, and the actor moves the job to another worker
+(:func:`~.health.is_backpressure`; :meth:`WorkerPool.saturated` when none has
+room).
+
+When a worker is added, the pool tells its backend what the pool's workers
+must be (:class:`~.backends.base.WorkerRequirement`: the roles that serve the
+stage, the router's model); a backend whose worker announced something else
+reports itself refused, and a refused member is never usable.
 
 Membership changes at run time (``add``/``remove``/``drain``) take effect for
 the next lease; leases already granted finish normally.
@@ -26,16 +40,21 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .errors import ConfigError, NoHealthyWorker
+from .backends.base import WorkerRequirement
+from .errors import ConfigError, NoHealthyWorker, Overloaded
 from .health import CircuitBreaker, HealthPolicy
 from .routing import Candidate, Policy, RouteKey
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from .backends.base import StageBackend
+    from .backends.base import BackendStatus, StageBackend
+    from .errors import EpdError
 
 logger = logging.getLogger(__name__)
+
+SATURATED_RETRY_AFTER_S = 1.0
+"""The ``Retry-After`` (seconds) of a job every worker of its pool refused as full."""
 
 
 class PoolMember:
@@ -54,15 +73,20 @@ class PoolMember:
     def __repr__(self) -> str:
         return f"<PoolMember {self.worker_id} in_flight={self.in_flight}>"
 
-    def reachable(self) -> bool:
-        """Connected, ready, and neither the worker nor an operator is draining it."""
-        status = self.backend.status()
-        return status.connected and status.ready and not status.draining and not self.drained
+    def reachable(self, status: BackendStatus | None = None) -> bool:
+        """Connected, ready, not refused, and neither the worker nor an operator drains it."""
+        s = self.backend.status() if status is None else status
+        return s.connected and s.ready and not s.draining and s.refused is None and not self.drained
 
-    def usable(self, now: float | None = None) -> bool:
+    def usable(self, now: float | None = None, status: BackendStatus | None = None) -> bool:
         """Reachable, and its circuit breaker lets a job through at ``now``."""
         moment = trio.current_time() if now is None else now
-        return self.reachable() and self.breaker.allows(moment)
+        return self.reachable(status) and self.breaker.allows(moment)
+
+    def limit(self, pool_limit: int, status: BackendStatus | None = None) -> int:
+        """Jobs this member may hold: the pool's limit, or the worker's announced one if lower."""
+        announced = (self.backend.status() if status is None else status).max_concurrency
+        return min(pool_limit, announced) if announced > 0 else pool_limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +102,9 @@ class MemberStatistics:
     breaker: str
     aborts_sent: int
     worker_aborts: int | None
+    refused: str | None = None
+    refusals: int = 0
+    limit: int = 0
 
 
 class Lease:
@@ -126,7 +153,11 @@ class WorkerPool:
     Args:
         stage: the stage name (``encode``, ``prefill``, ``decode``, ``pd``, ...).
         policy: the routing policy choosing among usable members.
-        max_in_flight_per_worker: jobs one worker may hold from this router.
+        max_in_flight_per_worker: jobs one worker may hold from this router
+            (lower for a worker that announces a lower ``max_concurrency``).
+        health: the members' circuit-breaker thresholds.
+        requirement: what the pool's workers must announce (default: any
+            role, any model); given to each backend added.
     """
 
     def __init__(
@@ -136,6 +167,7 @@ class WorkerPool:
         *,
         max_in_flight_per_worker: int,
         health: HealthPolicy | None = None,
+        requirement: WorkerRequirement | None = None,
     ) -> None:
         if max_in_flight_per_worker < 1:
             raise ConfigError(f"pools.{stage}.max_in_flight_per_worker must be >= 1")
@@ -143,6 +175,7 @@ class WorkerPool:
         self.policy = policy
         self.max_in_flight_per_worker = max_in_flight_per_worker
         self.health = health or HealthPolicy()
+        self.requirement = requirement or WorkerRequirement(stage)
         self._members: dict[str, PoolMember] = {}
         self._slot_freed = trio.lowlevel.ParkingLot()
 
@@ -160,9 +193,10 @@ class WorkerPool:
         return self._members.get(worker_id)
 
     def add(self, backend: StageBackend) -> PoolMember:
-        """Add a worker (its backend must already be running)."""
+        """Add a worker (its backend must already be running); it must meet the requirement."""
         if backend.worker_id in self._members:
             raise ConfigError(f"worker {backend.worker_id!r} is already in pool {self.stage!r}")
+        backend.expect(self.requirement)
         member = PoolMember(backend, self.health)
         self._members[backend.worker_id] = member
         logger.info("pool %s: added worker %s", self.stage, backend.worker_id)
@@ -180,12 +214,13 @@ class WorkerPool:
 
     def statistics(self) -> list[MemberStatistics]:
         out = []
+        now = trio.current_time()
         for member in self._members.values():
             status = member.backend.status()
             out.append(
                 MemberStatistics(
                     worker_id=member.worker_id,
-                    usable=member.usable(),
+                    usable=member.usable(now, status),
                     connected=status.connected,
                     draining=status.draining or member.drained,
                     in_flight=member.in_flight,
@@ -193,6 +228,9 @@ class WorkerPool:
                     breaker=member.breaker.state.value,
                     aborts_sent=status.aborts_sent,
                     worker_aborts=status.worker_aborts,
+                    refused=status.refused,
+                    refusals=status.refusals,
+                    limit=member.limit(self.max_in_flight_per_worker, status),
                 )
             )
         return out
@@ -206,6 +244,13 @@ class WorkerPool:
         """The error for a request this pool cannot serve because no member is usable."""
         return NoHealthyWorker(f"no healthy {self.stage} worker", retry_after=1.0)
 
+    def saturated(self, last: EpdError) -> Overloaded:
+        """The error for a job every worker with room refused as full (``last``: the latest)."""
+        return Overloaded(
+            f"every {self.stage} worker is full (the last said: {last})",
+            retry_after=SATURATED_RETRY_AFTER_S,
+        )
+
     def try_lease(self, key: RouteKey, *, exclude: Iterable[str] = ()) -> Lease | None:
         """Pick a member now, or return None if every usable one is full.
 
@@ -214,13 +259,20 @@ class WorkerPool:
         """
         excluded = set(exclude)
         now = trio.current_time()
-        usable = [
-            m for m in self._members.values() if m.worker_id not in excluded and m.usable(now)
-        ]
-        if not usable:
+        pool_limit = self.max_in_flight_per_worker
+        any_usable = False
+        open_members: dict[str, PoolMember] = {}
+        for m in self._members.values():
+            if m.worker_id in excluded:
+                continue
+            status = m.backend.status()
+            if not m.usable(now, status):
+                continue
+            any_usable = True
+            if m.in_flight < m.limit(pool_limit, status):
+                open_members[m.worker_id] = m
+        if not any_usable:
             raise self.refusal()
-        limit = self.max_in_flight_per_worker
-        open_members = {m.worker_id: m for m in usable if m.in_flight < limit}
         if not open_members:
             return None
         candidates = [Candidate(m.worker_id, m.in_flight) for m in open_members.values()]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError, EpdError, WorkerError
+from .health import is_backpressure
 
 if TYPE_CHECKING:
     import random
@@ -64,6 +65,7 @@ def counts_against_worker(error: EpdError) -> bool:
     """Whether a failure says something about the worker (feeds its circuit breaker).
 
     Retryable worker errors do (lost connection, a worker-side error the worker
-    marked retryable); client errors and router-side conditions do not.
+    marked retryable); client errors, router-side conditions and a worker's
+    refusals for load (``overloaded``, ``draining``) do not.
     """
-    return isinstance(error, WorkerError) and error.retryable
+    return isinstance(error, WorkerError) and error.retryable and not is_backpressure(error)

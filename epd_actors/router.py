@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING
 import trio
 
 from ._groups import single_exception
+from .actors import STAGE_ACTORS
 from .addresses import parse_address
-from .backends.base import ManagedBackend
+from .backends.base import ManagedBackend, WorkerRequirement
 from .config import RouterConfig, WorkerEndpoint
 from .errors import ConfigError, NoHealthyWorker
 from .metrics import RouterMetrics
@@ -214,16 +215,28 @@ async def _run_backend(
 
 
 def build_pools(config: RouterConfig) -> dict[str, WorkerPool]:
-    """One empty pool per configured stage, with its routing policy and limits."""
+    """One empty pool per configured stage, with its routing policy, limits and requirement.
+
+    A pool's workers must announce a role its stage actor serves
+    (``worker_roles``, from the stage registry) and the router's ``model``.
+    """
     return {
         pool.stage: WorkerPool(
             pool.stage,
             make_policy(pool.policy_name),
             max_in_flight_per_worker=pool.max_in_flight_per_worker,
             health=config.health,
+            requirement=worker_requirement(pool.stage, config.model),
         )
         for pool in config.pools
     }
+
+
+def worker_requirement(stage: str, model: str) -> WorkerRequirement:
+    """What the workers of ``stage``'s pool must announce (any role for an unknown stage)."""
+    actor = STAGE_ACTORS.get(stage)
+    roles = frozenset() if actor is None else actor.worker_roles
+    return WorkerRequirement(stage, roles=roles, model=model)
 
 
 @asynccontextmanager

@@ -268,7 +268,7 @@ async def test_handshake_stores_welcome_and_heartbeats_report_load(autojump_cloc
         assert backend.welcome == Welcome(PROTOCOL_VERSION, "w1", "decode", "tiny", (), 7)
         await trio.testing.wait_all_tasks_blocked()
         assert backend.status() == BackendStatus(
-            connected=True, draining=False, ready=True, worker_aborts=0
+            connected=True, draining=False, ready=True, worker_aborts=0, max_concurrency=7
         )
         async with trio.open_nursery() as nursery:
             for request_id in ("a", "b"):

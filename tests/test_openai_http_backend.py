@@ -54,6 +54,7 @@ from epd_actors.errors import (
     RemoteWorkerError,
     WorkerDisconnected,
 )
+from epd_actors.frontends.http_app import RouterHttpApp
 from epd_actors.frontends.media import MediaLimits
 from epd_actors.frontends.openai_fields import FieldPolicy
 from epd_actors.frontends.openai_schema import parse_chat_completion
@@ -157,9 +158,17 @@ async def _serve_one(
 
 @asynccontextmanager
 async def sim_http_fleet(
-    workers: Mapping[str, int], *, configs: Mapping[str, SimConfig] | None = None
+    workers: Mapping[str, int],
+    *,
+    configs: Mapping[str, SimConfig] | None = None,
+    roles: Mapping[str, Role] | None = None,
+    models: Mapping[str, str] | None = None,
 ) -> AsyncIterator[SimHttpFleet]:
-    """Start simulated servers (``{"encode": 2, ...}``; ``configs`` by worker id or stage)."""
+    """Start simulated servers (``{"encode": 2, ...}``; ``configs`` by worker id or stage).
+
+    ``roles`` and ``models`` (by worker id) make a server run another role than
+    its pool's, or serve another model than the router's.
+    """
     fleet = SimHttpFleet(create_sim_stores())
     with trio.fail_after(GUARD_S):
         async with trio.open_nursery() as nursery:
@@ -168,12 +177,12 @@ async def sim_http_fleet(
                     worker_id = f"{stage}-{index}"
                     chosen = (configs or {}).get(worker_id) or (configs or {}).get(stage)
                     engine = SimEngine(
-                        Role(stage),
+                        (roles or {}).get(worker_id, Role(stage)),
                         worker_id=worker_id,
                         config=chosen or QUICK,
                         ec_store=fleet.stores.ec,
                         kv_store=fleet.stores.kv,
-                        model=MODEL,
+                        model=(models or {}).get(worker_id, MODEL),
                     )
                     server = SimOpenAIServer(engine, worker_id=worker_id)
                     fleet.servers[worker_id] = server
@@ -668,6 +677,46 @@ async def test_a_worker_that_is_down_is_never_chosen() -> None:
                 assert isinstance(done, DoneEvent), done
             status = router.backends["decode-dead"].status()
         assert (status.connected, status.ready) == (False, False)
+        assert len(fleet.log("decode-0")) == 4
+
+
+async def test_a_server_of_another_model_is_refused_until_it_serves_the_router_s() -> None:
+    async with sim_http_fleet({"pd": 2}, models={"pd-1": "other-model"}) as fleet:
+        async with fleet_router(fleet, policies={"pd": "round_robin"}) as router:
+            other = router.backends["pd-1"]
+            await other.wait_connected()  # the probe that connected it read /v1/models too
+            for n in range(4):  # round robin would send pd-1 every other one
+                done = final(await collect(router, GenerationRequest(Prompt(text=f"hi {n}"))))
+                assert isinstance(done, DoneEvent), done
+            assert (len(fleet.log("pd-0")), fleet.log("pd-1")) == (4, [])
+            status = other.status()
+            assert (status.ready, status.refusals) == (False, 1)
+            assert status.refused == "it serves model 'other-model', the router serves 'sim-model'"
+            health = RouterHttpApp(router).health()[1]
+            assert health["pools"]["pd"]["workers"][1]["refused"] == status.refused  # type: ignore[index]
+
+            fleet.engine("pd-1").model = MODEL  # the server now serves the router's model
+            await other.wait_ready()
+            assert other.status().refused is None
+            for n in range(4, 8):
+                done = final(await collect(router, GenerationRequest(Prompt(text=f"hi {n}"))))
+                assert isinstance(done, DoneEvent), done
+        assert len(fleet.log("pd-1")) == 2
+
+
+async def test_a_server_that_answers_unsupported_stage_is_refused_and_the_request_moves_on() -> (
+    None
+):
+    roles = {"decode-1": Role.PREFILL}  # started with the wrong role
+    async with sim_http_fleet({"prefill": 1, "decode": 2}, roles=roles) as fleet:
+        async with fleet_router(fleet, policies={"decode": "round_robin"}) as router:
+            for n in range(4):  # the second request is the first for decode-1
+                done = final(await collect(router, GenerationRequest(Prompt(text=f"hi {n}"))))
+                assert isinstance(done, DoneEvent), done
+            status = router.backends["decode-1"].status()
+        assert status.refused is not None
+        assert "answered a generate request with unsupported_stage" in status.refused
+        assert [r["outcome"] for r in fleet.log("decode-1")] == [ErrorCode.UNSUPPORTED_STAGE]
         assert len(fleet.log("decode-0")) == 4
 
 

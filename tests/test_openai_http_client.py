@@ -315,8 +315,13 @@ async def test_a_cancelled_request_closes_its_connection() -> None:
 # ---------------------------------------------------------------- the backend over canned replies
 
 
+_MODELS = b'{"object":"list","data":[{"id":"m"}]}'
+MODEL_LIST = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(_MODELS), _MODELS)
+
+
 def backend_replies(replies: dict[bytes, bytes], *, close: bool = False) -> Answer:
-    """Answer ``GET /health`` with 200 and each POST path with its canned reply.
+    """Answer ``GET /health`` with 200, ``GET /v1/models`` with model ``m``, and each
+    POST path with its canned reply.
 
     ``close``: close the connection after a canned reply.
     """
@@ -326,6 +331,9 @@ def backend_replies(replies: dict[bytes, bytes], *, close: bool = False) -> Answ
         path = line.split(b" ")[1].removeprefix(b"/base")
         if path == b"/health":
             await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            return True
+        if path == b"/v1/models":
+            await stream.send_all(MODEL_LIST)
             return True
         await stream.send_all(replies[path])
         return not close

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, ClassVar
 import trio
 
 from ..errors import EpdError, NoHealthyWorker
+from ..health import is_backpressure
 from ..limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, JOB_REPLY_BUFFER
 from ..retry import RetryPolicy, counts_against_worker
 from ..routing import RouteKey, affinity_for_prompt
@@ -78,6 +79,8 @@ class BaseActor:
         order: where the stage sits in a plan (lower runs first).
         produces_output: the stage streams the request's output tokens.
         requires: stages that must be configured alongside this one.
+        worker_roles: the worker roles that may serve the stage (empty: any);
+            a worker announcing another role is refused by the pool.
 
     Args:
         pool: the workers of this stage.
@@ -93,6 +96,7 @@ class BaseActor:
     order: ClassVar[int]
     produces_output: ClassVar[bool] = False
     requires: ClassVar[tuple[str, ...]] = ()
+    worker_roles: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
         self,
@@ -344,9 +348,14 @@ class BaseActor:
     async def _attempt_with_retries(self, job: Job) -> None:
         """Run the job, moving to another worker after a retryable failure.
 
+        A worker that refuses the job because it is full or draining
+        (``is_backpressure``) passes it on to another worker at once: that is
+        not one of the ``max_attempts``, but no worker is asked twice.
+
         Raises:
             EpdError: the last attempt's error (or ``NoHealthyWorker`` when no
-                worker could be leased at all).
+                worker could be leased at all, ``Overloaded`` when every
+                worker left refused the job as full).
         """
         key = self.route_key(job)
         tried: list[str] = []
@@ -358,10 +367,13 @@ class BaseActor:
             try:
                 lease = await self.pool.lease(key, exclude=tried)
             except NoHealthyWorker:
+                if job.last_error is not None and is_backpressure(job.last_error):
+                    raise self.pool.saturated(job.last_error) from None
                 if job.last_error is not None:
                     raise job.last_error from None
                 raise
             job.worker_id = lease.member.worker_id
+            passed_on = False
             try:
                 await self.handle(job, lease.backend)
                 lease.succeeded()
@@ -369,10 +381,10 @@ class BaseActor:
             except EpdError as exc:
                 if counts_against_worker(exc):
                     lease.failed()
-                retry = self.retry.should_retry(
+                passed_on = is_backpressure(exc) and not job.output_started
+                if not passed_on and not self.retry.should_retry(
                     exc, attempt=attempt, output_started=job.output_started
-                )
-                if not retry:
+                ):
                     raise
                 job.last_error = exc
             finally:
@@ -380,6 +392,10 @@ class BaseActor:
                     lease.failed()  # a worker that stops answering is a failing worker
                 lease.release()
             tried.append(lease.member.worker_id)
+            if passed_on:
+                attempt -= 1  # a full worker is not a failed attempt
+                logger.debug("%s job of %s: %s", self.stage, job.request_id, job.last_error)
+                continue
             self.retries_total += 1
             logger.info(
                 "%s job of %s: retrying after %s (attempt %d)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from ..lifecycle import Phase
-from ..protocol import GenerateRequest
+from ..protocol import GenerateRequest, Role
 from .base import BaseActor
 from .registry import register_stage
 
@@ -19,6 +19,7 @@ class DecodeActor(BaseActor):
     """Streams deltas; the request carries P's ``kv_transfer_params`` (when P ran)."""
 
     stage = "decode"
+    worker_roles = frozenset({Role.DECODE})
     phase = Phase.DECODING
     order = 30
     produces_output = True

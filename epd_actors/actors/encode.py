@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..lifecycle import Phase
-from ..protocol import EncodeRequest
+from ..protocol import EncodeRequest, Role
 from ..routing import RouteKey
 from .base import BaseActor
 from .jobs import Job, StageContext, StageOutput
@@ -21,6 +21,7 @@ class EncodeActor(BaseActor):
     """One job per distinct media item; the result's encoder transfer params are merged."""
 
     stage = "encode"
+    worker_roles = frozenset({Role.ENCODE})
     phase = Phase.ENCODING
     order = 10
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..protocol import Role
 from .decode import DecodeActor
 from .registry import register_stage
 
@@ -15,4 +16,5 @@ class PDActor(DecodeActor):
     """
 
     stage = "pd"
+    worker_roles = frozenset({Role.PD})
     requires = ()

@@ -6,7 +6,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from ..lifecycle import Phase
-from ..protocol import PrefillRequest
+from ..protocol import PrefillRequest, Role
 from .base import BaseActor
 from .jobs import Job, StageOutput
 from .registry import register_stage
@@ -20,6 +20,7 @@ class PrefillActor(BaseActor):
     """Returns P's ``kv_transfer_params``; releasing the handle is the compensation."""
 
     stage = "prefill"
+    worker_roles = frozenset({Role.PREFILL})
     phase = Phase.PREFILLING
     order = 20
     requires = ("decode",)

@@ -7,6 +7,14 @@ API) behind three operations that match the stage contract:
 * :meth:`StageBackend.open_stream` for generate (a stream of deltas);
 * :meth:`StageBackend.release` for a prefilled KV handle nobody will consume.
 
+A pool tells each backend what its workers must be (:meth:`StageBackend.expect`
+with a :class:`WorkerRequirement`: the roles that serve the pool's stage, the
+model the router serves).  The backend checks what its worker announces -- the
+native ``Welcome``, an HTTP server's ``/v1/models`` -- and refuses a worker
+that does not fit: the refusal shows in :attr:`BackendStatus.refused` and the
+pool never routes to it, until the worker announces something that fits (a
+reconnect, a later probe).
+
 Errors are typed (``errors.WorkerError`` and subclasses).  Cancellation is
 always safe: a backend that is cancelled while a worker holds work for the
 request tells the worker to abort, inside a shielded, bounded cleanup.
@@ -20,9 +28,56 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
     from contextlib import AbstractAsyncContextManager
 
     from ..protocol import Delta, EncodeRequest, GenerateRequest, PrefillRequest, StageResult
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRequirement:
+    """What a pool needs of its workers, checked against what each one announces.
+
+    Attributes:
+        stage: the pool's stage (named in refusals).
+        roles: the worker roles that may serve the stage (the stage actor's
+            ``worker_roles``); empty: any role.
+        model: the model the router serves; None: any model.
+    """
+
+    stage: str = ""
+    roles: frozenset[str] = frozenset()
+    model: str | None = None
+
+    def problem(
+        self,
+        *,
+        role: str | None = None,
+        models: Collection[str] | None = None,
+        max_concurrency: int = 0,
+    ) -> str | None:
+        """Why a worker announcing these cannot serve the pool; None when it can.
+
+        Args:
+            role: the role the worker announced (None: it announces none).
+            models: the models it serves (None: it announces none).
+            max_concurrency: the jobs it runs at once (0: not announced).
+        """
+        problems: list[str] = []
+        pool = f"the {self.stage} pool" if self.stage else "the pool"
+        if role is not None and self.roles and role not in self.roles:
+            needed = " or ".join(repr(r) for r in sorted(self.roles))
+            problems.append(f"it announced role {role!r}, {pool} needs role {needed}")
+        if models is not None and self.model is not None and self.model not in models:
+            announced = ", ".join(repr(m) for m in sorted(models)) or "none"
+            problems.append(f"it serves model {announced}, the router serves {self.model!r}")
+        if max_concurrency < 0:
+            problems.append(f"it announced max_concurrency {max_concurrency} (must be >= 0)")
+        return "; ".join(problems) or None
+
+
+ANY_WORKER = WorkerRequirement()
+"""The requirement of a backend no pool has claimed yet: nothing is checked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +92,11 @@ class BackendStatus:
         aborts_sent: aborts this router sent the worker (observability).
         worker_aborts: aborts the worker last said it received, or None when
             the worker does not report it.
+        refused: why the worker was refused (it announced a role or model its
+            pool cannot use), or None; a refused worker is never routed to.
+        refusals: how often it was refused (observability).
+        max_concurrency: the jobs the worker said it runs at once (0: not
+            announced); the pool sends it no more than that.
     """
 
     connected: bool
@@ -45,6 +105,9 @@ class BackendStatus:
     worker_load: int = 0
     aborts_sent: int = 0
     worker_aborts: int | None = None
+    refused: str | None = None
+    refusals: int = 0
+    max_concurrency: int = 0
 
 
 class DeltaStream(Protocol):
@@ -67,6 +130,14 @@ class StageBackend(Protocol):
 
     def status(self) -> BackendStatus:
         """Current connection and readiness state (no I/O)."""
+        ...
+
+    def expect(self, requirement: WorkerRequirement) -> None:
+        """Check the worker against ``requirement`` from now on (its pool calls this).
+
+        A worker that does not fit is refused (``status().refused``); one that
+        is connected already is checked at once.  Never waits.
+        """
         ...
 
     async def run_stage(self, request: EncodeRequest | PrefillRequest) -> StageResult:

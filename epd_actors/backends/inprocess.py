@@ -23,7 +23,7 @@ from ..errors import EngineCrashed, EngineError, RemoteWorkerError, WorkerDiscon
 from ..limits import CLEANUP_TIMEOUT_S, WORKER_DELTA_BUFFER
 from ..protocol import Delta, EncodeRequest, PrefillRequest
 from ..worker.engine import check_options
-from .base import BackendStatus
+from .base import BackendStatus, WorkerRequirement
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -78,6 +78,7 @@ class InProcessBackend:
         self.draining = False
         self.in_flight = 0
         self.aborts_sent = 0
+        self.refused: str | None = None
         self._connected_event = trio.Event()
         self._connected_event.set()
 
@@ -92,7 +93,16 @@ class InProcessBackend:
             worker_load=self.in_flight,
             aborts_sent=self.aborts_sent,
             worker_aborts=self.aborts_sent,
+            refused=self.refused,
+            refusals=int(self.refused is not None),
         )
+
+    def expect(self, requirement: WorkerRequirement) -> None:
+        """Refuse the engine if its role or model does not fit ``requirement``."""
+        engine = self.engine
+        self.refused = requirement.problem(role=engine.role.value, models=(engine.model,))
+        if self.refused is not None:
+            logger.error("refusing in-process worker %s: %s", self.worker_id, self.refused)
 
     def disconnect(self) -> None:
         """Make the worker unreachable (new calls fail with WorkerDisconnected)."""

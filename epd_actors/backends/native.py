@@ -11,7 +11,12 @@ workers are down -- and then loops:
    ``handshake_timeout_s``): ``Hello`` with the auth token, ``Welcome`` back,
    kept as :attr:`NativeBackend.welcome`.  An ``ErrorReply`` is a
    ``HandshakeRejected``: logged at error level and retried after the longest
-   backoff, since an operator may fix the token without restarting the router;
+   backoff, since an operator may fix the token without restarting the router.
+   A ``Welcome`` whose role, model or ``max_concurrency`` the pool cannot use
+   (its :class:`~.base.WorkerRequirement`) is *refused* the same way: logged
+   at error level, shown in ``status().refused``, the connection closed, and
+   checked again on the next connection -- a worker restarted with the right
+   role is accepted then;
 2. serve the connection with three tasks in one nursery: the *reader* decodes
    frames and routes each reply to its request; the *writer* is the only task
    that writes (see Writes below); the *heartbeat* queues a ``Ping`` every
@@ -114,7 +119,7 @@ from ..protocol import (
     merge_deltas,
 )
 from ..transport import FramedStream
-from .base import BackendStatus
+from .base import ANY_WORKER, BackendStatus, WorkerRequirement
 from .native_requests import (
     _RELEASE_REPLIES,
     _STAGE_REPLIES,
@@ -183,6 +188,9 @@ class NativeBackend:
         self.settings = settings
         self.client_id = client_id
         self.welcome: Welcome | None = None
+        self.requirement = ANY_WORKER
+        self._refused: str | None = None
+        self._refusals = 0
         self._auth_token = auth_token
         self._connect = connect or partial(addresses.open_stream, address)
         self._rng = rng or random.Random()
@@ -219,14 +227,33 @@ class NativeBackend:
     def status(self) -> BackendStatus:
         """Connection and readiness as the pool routes by them (no I/O)."""
         stats = self._worker_stats
+        conn = self._conn
         return BackendStatus(
-            connected=self._conn is not None,
+            connected=conn is not None,
             draining=self._draining,
-            ready=self._conn is not None and stats is not None and stats.engine_ready,
+            ready=conn is not None and stats is not None and stats.engine_ready,
             worker_load=0 if stats is None else stats.running + stats.queued,
             aborts_sent=self._aborts_sent,
             worker_aborts=None if stats is None else stats.aborts,
+            refused=self._refused,
+            refusals=self._refusals,
+            max_concurrency=0 if conn is None else conn.welcome.max_concurrency,
         )
+
+    def expect(self, requirement: WorkerRequirement) -> None:
+        """Check every ``Welcome`` against ``requirement`` (the current one at once).
+
+        A connected worker that does not fit is refused now: its connection
+        is closed, and its requests fail with ``WorkerDisconnected``.
+        """
+        self.requirement = requirement
+        conn = self._conn
+        if conn is None:
+            return
+        problem = self._problem(conn.welcome)
+        if problem is not None:
+            self._refuse(conn.welcome, problem)
+            conn.close(f"refused: {problem}")
 
     def statistics(self) -> NativeBackendStatistics:
         """A snapshot of the counters (cheap; safe at any time)."""
@@ -239,6 +266,7 @@ class NativeBackend:
             connects=self._connects,
             connect_failures=self._connect_failures,
             handshake_rejections=self._rejections,
+            refusals=self._refusals,
             disconnects=self._disconnects,
             overruns=self._overruns,
             aborts_sent=self._aborts_sent,
@@ -326,6 +354,10 @@ class NativeBackend:
             self._attempt_failed("handshake failed", exc)
             return _Outcome.FAILED
         else:
+            problem = self._problem(welcome)
+            if problem is not None:
+                self._refuse(welcome, problem)
+                return _Outcome.REJECTED
             await self._serve_connection(framed, welcome)
             return _Outcome.WELCOMED
         finally:
@@ -343,6 +375,30 @@ class NativeBackend:
             "cannot connect", f"no connection within {self.settings.connect_timeout_s} s"
         )
         return None
+
+    def _problem(self, welcome: Welcome) -> str | None:
+        """Why the pool cannot use the worker that sent ``welcome``, or None."""
+        return self.requirement.problem(
+            role=welcome.role, models=(welcome.model,), max_concurrency=welcome.max_concurrency
+        )
+
+    def _refuse(self, welcome: Welcome, problem: str) -> None:
+        """Count and log a refused worker; the first refusal of a series at error level."""
+        level = logging.ERROR if problem != self._refused else logging.DEBUG
+        self._refused = problem
+        self._refusals += 1
+        logger.log(
+            level,
+            "refusing worker %s at %s (announced %s: role %r, model %r, max_concurrency %d): "
+            "%s; it gets no requests until it reconnects announcing what the pool needs",
+            self.worker_id,
+            self.address,
+            welcome.worker_id,
+            welcome.role,
+            welcome.model,
+            welcome.max_concurrency,
+            problem,
+        )
 
     def _attempt_failed(self, what: str, detail: object) -> None:
         """Count a failed attempt; only the first of a series is logged above debug."""
@@ -416,6 +472,7 @@ class NativeBackend:
     def _connection_up(self, conn: _Connection) -> None:
         self._conn = conn
         self.welcome = conn.welcome
+        self._refused = None
         self._draining = False
         self._worker_stats = None
         self._connects += 1

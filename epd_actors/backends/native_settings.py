@@ -101,6 +101,8 @@ class NativeBackendStatistics:
         connects: handshakes that succeeded.
         connect_failures: attempts that failed before a ``Welcome`` (not rejections).
         handshake_rejections: attempts the worker refused.
+        refusals: welcomed attempts this router refused (the worker announced
+            a role, model or ``max_concurrency`` its pool cannot use).
         disconnects: welcomed connections that ended.
         overruns: requests failed with ``StreamOverrun``.
         aborts_sent: ``Abort`` frames queued or written.
@@ -126,3 +128,4 @@ class NativeBackendStatistics:
     model: str | None
     writes: int = 0
     frames_written: int = 0
+    refusals: int = 0

@@ -16,6 +16,12 @@ answers 200).  ``failures_to_down`` bad probes in a row take a worker down,
 ``successes_to_up`` good ones bring it back; a request that cannot even
 connect takes it down at once.
 
+The same probe then reads ``GET /v1/models``: a server that does not serve the
+router's model is *refused* (logged at error level, ``status().refused``, never
+routed to) until a later probe finds the model.  A server that answers a stage
+request with ``unsupported_stage`` (it runs another role) is refused too, until
+the probes see it go down and come back (a restart).
+
 Stage requests become vLLM's disaggregated contract
 (:mod:`.openai_http_contract` builds every body):
 
@@ -71,7 +77,7 @@ from ..config import check_http_url
 from ..errors import RemoteWorkerError, WorkerDisconnected
 from ..limits import CLEANUP_TIMEOUT_S
 from ..protocol import EncodeRequest, ErrorCode, StageResult
-from .base import BackendStatus
+from .base import BackendStatus, WorkerRequirement
 from .openai_http_client import (
     BadResponse,
     ClientLimits,
@@ -91,12 +97,14 @@ from .openai_http_contract import (
     consume_body,
     encode_call,
     encode_result,
+    error_code,
     error_message,
     error_param,
     generate_call,
     json_object,
     prefill_call,
     prefill_result,
+    served_models,
 )
 from .openai_http_settings import (
     DEFAULT_SETTINGS,
@@ -306,6 +314,12 @@ class OpenAIHttpBackend:
             failures_to_down=settings.failures_to_down, successes_to_up=settings.successes_to_up
         )
         self._changed = trio.Event()
+        self.requirement = WorkerRequirement(stage, model=model)
+        self._model_problem: str | None = None  # from the latest readable /v1/models
+        self._stage_problem: str | None = None  # from an unsupported_stage answer
+        self._served: tuple[str, ...] | None = None
+        self._refused: str | None = None
+        self._refusals = 0
         self._streams: set[OpenAIHttpDeltaStream] = set()  # open generate streams
         self._in_flight = 0
         self._aborts_sent = 0  # requests closed before their answer (vLLM aborts them)
@@ -328,10 +342,25 @@ class OpenAIHttpBackend:
         return BackendStatus(
             connected=reachable,
             draining=False,
-            ready=reachable and self._healthy.up,
+            ready=reachable and self._healthy.up and self._refused is None,
             worker_load=self._in_flight,
             aborts_sent=self._aborts_sent,
+            refused=self._refused,
+            refusals=self._refusals,
         )
+
+    def expect(self, requirement: WorkerRequirement) -> None:
+        """Check the served models against ``requirement`` (the latest list at once).
+
+        Without a model of its own, the requirement takes the model this
+        backend puts in every body.
+        """
+        if requirement.model is None:
+            requirement = WorkerRequirement(requirement.stage, requirement.roles, self.model)
+        self.requirement = requirement
+        if self._served is not None:
+            self._model_problem = requirement.problem(models=self._served)
+            self._judge()
 
     def statistics(self) -> OpenAIHttpStatistics:
         """A snapshot of the counters (cheap; safe at any time)."""
@@ -421,9 +450,13 @@ class OpenAIHttpBackend:
         return WorkerHttpClient(self.base_url, limits, headers=headers, tls_context=_tls_context)
 
     async def _probe(self, client: WorkerHttpClient) -> None:
-        """One ``GET /health``; feeds both hysteresis trackers."""
+        """One ``GET /health`` (then ``GET /v1/models``); feeds the trackers and the refusal.
+
+        Both requests share ``health_timeout_s``.
+        """
         self._probes += 1
         status: int | None = None
+        served: tuple[str, ...] | None = None
         with trio.move_on_after(self.settings.health_timeout_s):
             try:
                 response = await client.request("GET", "/health")
@@ -431,16 +464,62 @@ class OpenAIHttpBackend:
                     await response.read_all(_MAX_PROBE_BYTES)
                 finally:
                     await response.aclose()
+                status = response.status
+                if status == 200:
+                    served = await self._read_models(client)
             except HttpClientError as exc:
                 logger.debug("worker %s: health probe failed: %r", self.worker_id, exc)
-            else:
-                status = response.status
         if status != 200:
             self._probe_failures += 1
+            self._stage_problem = None  # a server seen down may come back as another role
+        if served is not None:
+            self._served = served
+            self._model_problem = self.requirement.problem(models=served)
+        self._judge()
         changed = self._reachable.observe(status is not None)
         changed |= self._healthy.observe(status == 200)
         if changed:
             self._announce(f"/health answered {status}" if status else "no answer to /health")
+
+    async def _read_models(self, client: WorkerHttpClient) -> tuple[str, ...] | None:
+        """The models ``GET /v1/models`` lists, or None when it gives no readable list.
+
+        Raises:
+            HttpClientError: the request failed (the probe counts it).
+        """
+        response = await client.request("GET", "/v1/models")
+        try:
+            data = await response.read_all(_MAX_PROBE_BYTES)
+        finally:
+            await response.aclose()
+        if response.status != 200:
+            logger.debug("worker %s: /v1/models answered %s", self.worker_id, response.status)
+            return None
+        try:
+            return served_models(json_object(data))
+        except ReplyError as exc:
+            logger.debug("worker %s: unreadable /v1/models: %s", self.worker_id, exc)
+            return None
+
+    def _judge(self) -> None:
+        """Refuse the worker, or accept it again, from the latest evidence; log changes."""
+        problem = self._model_problem or self._stage_problem
+        if problem == self._refused:
+            return
+        self._refused = problem
+        if problem is None:
+            logger.info("worker %s at %s is accepted again", self.worker_id, self.base_url)
+        else:
+            self._refusals += 1
+            logger.error(
+                "refusing worker %s at %s: %s; it gets no requests until it serves what "
+                "the pool needs",
+                self.worker_id,
+                self.base_url,
+                problem,
+            )
+        self._changed.set()
+        self._changed = trio.Event()
 
     def _announce(self, why: str, *, expected: bool = False) -> None:
         status = self.status()
@@ -505,9 +584,19 @@ class OpenAIHttpBackend:
     def _status_error(
         self, status: int, data: bytes, stage: str, request_id: str
     ) -> RemoteWorkerError:
-        """A non-200 answer: 429 and 5xx may succeed elsewhere, other 4xx never."""
+        """A non-200 answer: 429 and 5xx may succeed elsewhere, other 4xx never.
+
+        An ``unsupported_stage`` refusal says the server runs another role:
+        the worker is refused, and the request may succeed on another worker.
+        """
         self._request_failures += 1
         message = f"HTTP {status}: {error_message(data)}"
+        if error_code(data) == ErrorCode.UNSUPPORTED_STAGE:
+            self._stage_problem = (
+                f"it answered a {stage} request with unsupported_stage ({message})"
+            )
+            self._judge()
+            return self._remote(ErrorCode.UNSUPPORTED_STAGE, message, stage, request_id, True)
         if status >= 500 or status in _RETRYABLE_STATUSES:
             code = ErrorCode.OVERLOADED if status in (429, 503) else ErrorCode.ENGINE_ERROR
             return self._remote(code, message, stage, request_id, True)

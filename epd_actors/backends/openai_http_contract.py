@@ -409,6 +409,36 @@ def error_message(data: bytes | str) -> str:
     return json.dumps(reply)[:200]
 
 
+def served_models(reply: Mapping[str, object]) -> tuple[str, ...]:
+    """The model ids of a ``GET /v1/models`` answer (``{"data": [{"id": ...}, ...]}``).
+
+    Raises:
+        ReplyError: ``data`` is not a list of objects with a string ``id``.
+    """
+    cards = reply.get("data")
+    if not isinstance(cards, list):
+        raise ReplyError("a model list needs a data array")
+    ids: list[str] = []
+    for card in cards:
+        ident = card.get("id") if isinstance(card, dict) else None
+        if not isinstance(ident, str):
+            raise ReplyError("every entry of a model list needs a string id")
+        ids.append(ident)
+    return tuple(ids)
+
+
+def error_code(data: bytes | str) -> str | None:
+    """The ``code`` of a vLLM (or OpenAI) error body, if it gives a string one."""
+    try:
+        reply = json_object(data)
+    except ReplyError:
+        return None
+    error = reply.get("error")
+    if isinstance(error, dict) and isinstance(error.get("code"), str):
+        return str(error["code"])
+    return None
+
+
 def error_param(data: bytes | str) -> str | None:
     """The ``param`` a vLLM (or OpenAI) error body blames, if it names one."""
     try:

@@ -112,7 +112,8 @@ class RouterHttpApp:
     """:class:`HttpApp` over a running :class:`~epd_actors.router.Router`.
 
     ``health`` is 200 only when every pool has a usable worker; its body lists
-    each pool's workers and their state.
+    each pool's workers and their state (``refused``: why the router refuses
+    a worker that announced a role or model its pool cannot use, else null).
     """
 
     def __init__(self, router: Router) -> None:
@@ -147,6 +148,8 @@ class RouterHttpApp:
                         "breaker": m.breaker,
                         "aborts_sent": m.aborts_sent,
                         "worker_aborts": m.worker_aborts,
+                        "refused": m.refused,
+                        "limit": m.limit,
                     }
                     for m in members
                 ],

@@ -2,6 +2,7 @@
 
 from .codec import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, decode_body, encode
 from .messages import (
+    BACKPRESSURE_CODES,
     CLIENT_ERROR_CODES,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -39,6 +40,7 @@ from .messages import (
 )
 
 __all__ = [
+    "BACKPRESSURE_CODES",
     "CLIENT_ERROR_CODES",
     "DEFAULT_MAX_FRAME_BYTES",
     "MESSAGE_TYPES",

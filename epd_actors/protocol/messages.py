@@ -72,6 +72,11 @@ CLIENT_ERROR_CODES = frozenset(
     {ErrorCode.INVALID_REQUEST, ErrorCode.UNSUPPORTED_STAGE, ErrorCode.DUPLICATE_REQUEST}
 )
 
+# Codes that mean "not now, not here": the worker is full or leaving.  The job
+# may go to another worker at once, and the refusal never counts against the
+# worker's health.
+BACKPRESSURE_CODES = frozenset({ErrorCode.OVERLOADED, ErrorCode.DRAINING})
+
 
 # ---------------------------------------------------------------- nested structs
 

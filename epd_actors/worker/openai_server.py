@@ -463,15 +463,27 @@ class SimOpenAIServer:
         """Check the role's contract, run the engine, answer; see the module docstring."""
         role = self.engine.role
         parsed, body = exchange.parsed, exchange.body
-        check_option_names(exchange.options or (), self.engine)
+        try:
+            check_option_names(exchange.options or (), self.engine)
+        except EngineError as exc:
+            raise InvalidRequest(exc.detail, param=exc.param) from None
+        unsupported = ErrorCode.UNSUPPORTED_STAGE  # the request is for another role
         if role in (Role.ENCODE, Role.PREFILL) and parsed.stream:
-            raise _Refused(400, f"a {role.value} worker answers stream: false requests only")
+            raise _Refused(
+                400, f"a {role.value} worker answers stream: false requests only", unsupported
+            )
         kv = body.get("kv_transfer_params")
         if role is Role.PREFILL and not (isinstance(kv, dict) and kv.get("do_remote_decode")):
-            raise _Refused(400, "a prefill worker needs kv_transfer_params.do_remote_decode = true")
+            raise _Refused(
+                400,
+                "a prefill worker needs kv_transfer_params.do_remote_decode = true",
+                unsupported,
+            )
         if role is Role.DECODE and not (isinstance(kv, dict) and kv.get("do_remote_prefill")):
             raise _Refused(
-                400, "a decode worker needs the kv_transfer_params of a prefill (do_remote_prefill)"
+                400,
+                "a decode worker needs the kv_transfer_params of a prefill (do_remote_prefill)",
+                unsupported,
             )
         if role is Role.ENCODE:
             await self._watched(exchange, self._encode)
