@@ -36,6 +36,7 @@ complete -- so a handle P produced is released if D never consumed it.
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -177,14 +178,7 @@ class Supervisor:
         self.limits = limits or ActorLimits()
         registry = STAGE_ACTORS if registry is None else registry
         self.actors: dict[str, BaseActor] = {
-            stage: actor_class(stage, registry)(
-                pool,
-                inbox_capacity=self.limits.inbox_capacity,
-                max_jobs=self.limits.max_jobs,
-                retry=retry,
-                rng=rng,
-                cleanup_timeout_s=self.deadlines.cleanup_timeout_s,
-            )
+            stage: self._build_actor(actor_class(stage, registry), pool, retry, rng)
             for stage, pool in pools.items()
         }
         self._ordered = sorted(self.actors.values(), key=lambda actor: actor.order)
@@ -202,6 +196,23 @@ class Supervisor:
 
     def __repr__(self) -> str:
         return f"<Supervisor stages={[a.stage for a in self._ordered]}>"
+
+    def _build_actor(
+        self,
+        cls: type[BaseActor],
+        pool: WorkerPool,
+        retry: RetryPolicy | None,
+        rng: random.Random | None,
+    ) -> BaseActor:
+        return cls(
+            pool,
+            inbox_capacity=self.limits.inbox_capacity,
+            max_jobs=self.limits.max_jobs,
+            retry=retry,
+            rng=rng,
+            cleanup_timeout_s=self.deadlines.cleanup_timeout_s,
+            attempt_timeout_s=cls.attempt_timeout(self.deadlines),
+        )
 
     @property
     def topology(self) -> tuple[str, ...]:
@@ -534,11 +545,14 @@ class Supervisor:
         replies: trio.MemoryReceiveChannel[StageEvent],
         relay: OutputRelay,
     ) -> StageEvent | None:
-        """The job's next event, for an output stage within its token deadlines.
+        """The job's next event, for an output stage within its inter-token deadline.
 
         The deltas bypass this task, so the deadline comes from the relay
         (:meth:`OutputRelay.deadline`): when it passes, the relay is asked
-        again, and the wait goes on if a delta came meanwhile.
+        again, and the wait goes on if a delta came meanwhile.  Until the
+        first delta there is none here: the first-token deadline belongs to
+        each attempt of the job (the actor retries a worker that misses it),
+        and the request deadline bounds them all.
         """
         if not actor.produces_output:
             try:
@@ -546,9 +560,8 @@ class Supervisor:
             except trio.EndOfChannel:
                 return None
         deadlines = self.deadlines
-        first_token_deadline = trio.current_time() + deadlines.first_token_timeout_s
         while True:
-            deadline = relay.deadline(first_token_deadline)
+            deadline = relay.deadline(math.inf)
             if deadline <= trio.current_time():
                 break
             with trio.move_on_at(deadline) as relay.watch:
@@ -558,12 +571,9 @@ class Supervisor:
                     return None
                 finally:
                     relay.watch = None
-        timeout, phase = (
-            (deadlines.inter_token_timeout_s, "inter token")
-            if relay.relayed
-            else (deadlines.first_token_timeout_s, "first token")
+        raise StageTimeout(
+            f"no inter token within {deadlines.inter_token_timeout_s:g}s", phase="inter_token"
         )
-        raise StageTimeout(f"no {phase} within {timeout:g}s", phase=phase.replace(" ", "_"))
 
     async def _absorb(
         self, event: StageEvent, context: StageContext, record: _RequestRecord, relay: OutputRelay

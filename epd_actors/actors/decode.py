@@ -11,6 +11,7 @@ from .registry import register_stage
 
 if TYPE_CHECKING:
     from ..backends.base import StageBackend
+    from ..config import Deadlines
     from .jobs import Job
 
 
@@ -23,6 +24,10 @@ class DecodeActor(BaseActor):
     order = 30
     produces_output = True
     requires: ClassVar[tuple[str, ...]] = ("prefill",)
+
+    @classmethod
+    def attempt_timeout(cls, deadlines: Deadlines) -> float:
+        return deadlines.first_token_timeout_s
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
         context = job.context
