@@ -48,7 +48,7 @@ from epd_actors.worker.engines.sim import SimConfig
 
 from .polling import wait_until
 from .streams import Seen, consume, run_one
-from .wire_fleet import WireFleet, open_wire_router
+from .wire_fleet import SETTINGS, WireFleet, open_wire_router
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -361,6 +361,34 @@ async def test_a_hung_prefill_on_the_last_worker_left_is_a_prefill_timeout(
             assert seen.ended_at - start == 4.0
             assert fleet.counter("p0", "aborts") == 1
             assert fleet.counter("d0", "generate_requests") == 0
+            await assert_no_leaks(fleet, router)
+
+
+async def test_a_worker_whose_engine_goes_down_loses_its_waiting_requests_at_once(
+    autojump_clock: object,
+) -> None:
+    """The connection stays up, but a ``Pong`` says the engine is not ready: its
+    requests move to another worker then, not at the first-token deadline."""
+    layout = {"prefill": ["p0"], "decode": ["d0", "d1"]}
+    configs = {"p0": INSTANT, "d0": replace(INSTANT, stall_s=math.inf), "d1": INSTANT}
+    with trio.fail_after(GUARD_S):
+        async with open_wire_router(
+            layout,
+            configs=configs,
+            retries=RetryPolicy(max_attempts=2, backoff_start_s=0.0, jitter=0.0),
+        ) as (fleet, router):
+            seen = Seen()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consume, router, text(), seen)
+                await wait_until(lambda: fleet.counter("d0", "in_flight") == 1)
+                wedged_at = trio.current_time()
+                fleet.workers["d0"].engine.wedge()
+            assert isinstance(seen.final, DoneEvent), seen.final
+            assert seen.final.timings.workers["decode"] == ("d1",)
+            # The next heartbeat's Pong carries the news.
+            assert seen.ended_at - wedged_at <= SETTINGS.heartbeat_interval_s
+            assert fleet.counter("d0", "aborts") == 1
+            assert fleet.workers["d0"].connections == 1  # no reconnect: the link was fine
             await assert_no_leaks(fleet, router)
 
 
