@@ -797,7 +797,8 @@ async def test_health_follows_the_engine_and_models_pass_through() -> None:
         assert health.status_code == 503
 
 
-async def test_an_unknown_kv_handle_is_a_client_error() -> None:
+async def test_an_unknown_kv_handle_keeps_its_code() -> None:
+    """Not ``invalid_request``: the decode actor blames the prefill worker for it."""
     async with sim_http_fleet({"decode": 1}) as fleet:
         factory = OpenAIHttpBackendFactory(FAST)
         async with running_backend(fleet, "decode-0", factory) as decoder:
@@ -806,7 +807,7 @@ async def test_an_unknown_kv_handle_is_a_client_error() -> None:
             with pytest.raises(RemoteWorkerError) as caught:
                 async with decoder.open_stream(request):
                     pass
-        assert (caught.value.code, caught.value.retryable) == (ErrorCode.INVALID_REQUEST, False)
+        assert (caught.value.code, caught.value.retryable) == (ErrorCode.UNKNOWN_KV_HANDLE, False)
         assert "unknown" in caught.value.detail
 
 

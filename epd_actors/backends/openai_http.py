@@ -39,7 +39,9 @@ Errors are mapped once, in :meth:`OpenAIHttpBackend._mapped`: no connection
 retryable=True)``; HTTP 429 and
 5xx -> ``RemoteWorkerError`` (retryable); other 4xx ->
 ``RemoteWorkerError(code="invalid_request", retryable=False)`` carrying
-vLLM's message (and the ``param`` it blames); a reply that breaks the contract
+vLLM's message (and the ``param`` it blames), or ``code="unknown_kv_handle"``
+when the body says so (a decoder refusing the KV handle a prefill worker
+handed on: the decode actor blames that worker); a reply that breaks the contract
 or exceeds a size limit -> ``RemoteWorkerError(code="protocol_error",
 retryable=True)``.
 
@@ -97,6 +99,7 @@ from .openai_http_contract import (
     consume_body,
     encode_call,
     encode_result,
+    error_code,
     error_message,
     error_param,
     generate_call,
@@ -560,7 +563,11 @@ class OpenAIHttpBackend:
         if status >= 500 or status in _RETRYABLE_STATUSES:
             code = ErrorCode.OVERLOADED if status in (429, 503) else ErrorCode.ENGINE_ERROR
             return self._remote(code, message, stage, request_id, True)
-        refusal = self._remote(ErrorCode.INVALID_REQUEST, message, stage, request_id, False)
+        # A refused KV handle keeps its own code: it blames P's worker, not the client.
+        code = ErrorCode.INVALID_REQUEST
+        if error_code(data) == ErrorCode.UNKNOWN_KV_HANDLE:
+            code = ErrorCode.UNKNOWN_KV_HANDLE
+        refusal = self._remote(code, message, stage, request_id, False)
         refusal.param = error_param(data)
         return refusal
 

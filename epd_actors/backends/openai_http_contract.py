@@ -415,6 +415,17 @@ def error_param(data: bytes | str) -> str | None:
     return None
 
 
+def error_code(data: bytes | str) -> str | None:
+    """The ``code`` a vLLM (or OpenAI) error body gives, if it gives a string one."""
+    try:
+        reply = json_object(data)
+    except ReplyError:
+        return None
+    error = reply.get("error")
+    found = error.get("code") if isinstance(error, dict) else reply.get("code")
+    return found if isinstance(found, str) else None
+
+
 # ---------------------------------------------------------------- server-sent events
 
 
