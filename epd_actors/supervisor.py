@@ -21,8 +21,9 @@ under one cancel scope with the request's deadline.  For each stage in the
 plan it submits one job per item the actor splits the context into (fan-out
 runs concurrently) and folds each job's ``StageOutput`` into the context.  The
 output stage's job puts its deltas on the caller's event channel itself,
-through an :class:`~.output_relay.OutputRelay`, under the first-token and
-inter-token timeouts the supervisor keeps on the relay's behalf.  Every
+through an :class:`~.output_relay.OutputRelay`, under the inter-token timeout
+the supervisor keeps on the relay's behalf (the first-token deadline belongs to
+each attempt, in the actor, so that a hung decoder's job moves elsewhere).  Every
 request ends with exactly one final event: ``DoneEvent`` (after a
 ``UsageEvent``) or ``ErrorEvent``.
 
