@@ -36,6 +36,8 @@ def describe(config: FileConfig) -> str:
             f"{name}={getattr(router.deadlines, name):g}s"
             for name in (
                 "request_timeout_s",
+                "encode_timeout_s",
+                "prefill_timeout_s",
                 "first_token_timeout_s",
                 "inter_token_timeout_s",
                 "cleanup_timeout_s",

@@ -74,15 +74,26 @@ class PoolConfig:
 class Deadlines:
     """Every deadline of a request (seconds).
 
+    The stage deadlines (``encode_timeout_s``, ``prefill_timeout_s``,
+    ``first_token_timeout_s``) bound one attempt on one worker, from when the
+    worker is chosen: on expiry the attempt is aborted there, counted against
+    that worker's circuit breaker and retried on another worker, within the
+    retry policy.  The request deadline bounds everything, retries included.
+
     Attributes:
         request_timeout_s: the whole request, from receipt to the last token.
-        first_token_timeout_s: from the output stage's start to its first token.
+        encode_timeout_s: one encode attempt, to its answer.
+        prefill_timeout_s: one prefill attempt, to its answer.
+        first_token_timeout_s: one attempt of the output stage (D or PD), to
+            its first token.
         inter_token_timeout_s: between two output tokens.
         cleanup_timeout_s: how long aborts and releases may take after a
             request failed or was cancelled.
     """
 
     request_timeout_s: float = 600.0
+    encode_timeout_s: float = 60.0
+    prefill_timeout_s: float = 120.0
     first_token_timeout_s: float = 120.0
     inter_token_timeout_s: float = 60.0
     cleanup_timeout_s: float = 5.0
@@ -235,6 +246,8 @@ def validate(config: RouterConfig) -> None:
     deadlines = config.deadlines
     for name in (
         "request_timeout_s",
+        "encode_timeout_s",
+        "prefill_timeout_s",
         "first_token_timeout_s",
         "inter_token_timeout_s",
         "cleanup_timeout_s",

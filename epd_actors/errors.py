@@ -18,10 +18,12 @@ single exception from this tree::
     │   ├── WorkerDisconnected        the connection dropped or never came up
     │   ├── HandshakeRejected         the worker refused our hello (token, version)
     │   ├── RemoteWorkerError         the worker answered a request with an error
-    │   └── StreamOverrun             a request read its replies too slowly and was aborted
+    │   ├── StreamOverrun             a request read its replies too slowly and was aborted
+    │   └── HandoffRejected           a later stage refused what an earlier stage's worker handed on
     ├── Overloaded                    admission refused; retry later (HTTP 429/503)
     │   └── NoHealthyWorker           a needed pool has no usable worker (HTTP 503)
     ├── StageTimeout                  a deadline expired (HTTP 504)
+    │   └── AttemptTimeout            one worker did not answer a stage attempt in time
     ├── RequestCancelled              the caller or the router cancelled the request
     ├── ActorCrashed                  the stage actor holding the job crashed (restarted)
     ├── EngineError                   raised inside a worker by its engine; becomes an ErrorReply
@@ -148,6 +150,27 @@ class StreamOverrun(WorkerError):
     retryable = False
 
 
+class HandoffRejected(WorkerError):
+    """A stage refused what an earlier stage's worker handed it (a KV handle).
+
+    The refusing worker judged correctly; the fault lies with the worker that
+    produced the hand-off.  Not retryable where it was raised (another
+    decoder would refuse the same handle): the supervisor charges the
+    producing worker and runs the producing stage again on another worker.
+
+    Attributes:
+        cause: the refusal, as the consuming worker answered it.
+        stage: the stage that refused.
+    """
+
+    retryable = False
+
+    def __init__(self, message: str, *, cause: RemoteWorkerError, stage: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.stage = stage
+
+
 class Overloaded(EpdError):
     """Admission refused: too much work in flight.  Retry after ``retry_after`` seconds."""
 
@@ -166,6 +189,22 @@ class StageTimeout(EpdError):
     def __init__(self, message: str, *, phase: str) -> None:
         super().__init__(message)
         self.phase = phase
+
+
+class AttemptTimeout(StageTimeout):
+    """One worker did not answer a stage attempt within the stage's deadline.
+
+    Treated like a worker failure: the attempt is aborted on that worker,
+    counted against its circuit breaker and retried on another worker.  The
+    caller sees it (a ``StageTimeout``, HTTP 504) only when no attempt is left.
+
+    Attributes:
+        worker_id: the worker that did not answer.
+    """
+
+    def __init__(self, message: str, *, phase: str, worker_id: str) -> None:
+        super().__init__(message, phase=phase)
+        self.worker_id = worker_id
 
 
 class RequestCancelled(EpdError):

@@ -27,7 +27,9 @@ whether it is waiting for the caller (``waiting_for_caller``).  The supervisor,
 waiting for the final event, takes its deadline from those
 (:meth:`OutputRelay.deadline`) and, when it passes, asks again before it gives
 up.  Only the first delta touches the waiting scope (``watch``), because the
-inter-token deadline may come before the first-token one.  So the inter-token
+inter-token deadline may come before the first-token one; the same first delta
+lifts the job's attempt deadline (``attempt``, the actor's first-token deadline
+of the attempt running).  So the inter-token
 timeout still measures the gap between two deltas, without a deadline change
 per delta; and while the caller reads too slowly for the event channel to take
 a delta, the timeout does not run: a slow reader is not a stalled worker (the
@@ -71,6 +73,7 @@ class OutputRelay:
         "_events",
         "_inter_token_s",
         "_progress",
+        "attempt",
         "caller_left",
         "closed",
         "last_delta_at",
@@ -96,6 +99,7 @@ class OutputRelay:
         self.caller_left = False
         self.closed = False
         self.watch: trio.CancelScope | None = None  # the supervisor's wait, while it waits
+        self.attempt: trio.CancelScope | None = None  # the job's attempt, while one runs
 
     def deadline(self, first_token_deadline: float) -> float:
         """When the output stage counts as stalled, as of now.
@@ -190,6 +194,8 @@ class OutputRelay:
             # The inter-token deadline may come before the first-token one.
             if self.watch is not None:
                 self.watch.deadline = min(self.watch.deadline, now + self._inter_token_s)
+            if self.attempt is not None:  # the output started: no first-token deadline
+                self.attempt.deadline = math.inf
 
     def _count(self, delta: Delta) -> None:
         progress = self._progress

@@ -5,8 +5,9 @@ failure and sleeps :meth:`RetryPolicy.backoff_s` (randomness passed in) before
 leasing a different worker.  The rules:
 
 * only ``WorkerError``s that say ``retryable`` (connection lost, a worker error
-  the worker marked retryable) -- never a client error such as
-  ``invalid_request``, which would fail the same way everywhere;
+  the worker marked retryable) and ``AttemptTimeout``s (a worker that did not
+  answer within the stage's deadline is a failing worker) -- never a client
+  error such as ``invalid_request``, which would fail the same way everywhere;
 * a stage that produces output is retried only before its first token reached
   the requester (after that, a retry would repeat text);
 * at most ``max_attempts`` attempts in all, each on a worker not tried before,
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError, EpdError, WorkerError
+from .errors import AttemptTimeout, ConfigError, EpdError, WorkerError
 from .health import is_backpressure
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class RetryPolicy:
         """Whether attempt number ``attempt`` (1-based) may be followed by another."""
         if attempt >= self.max_attempts or output_started:
             return False
-        return isinstance(error, WorkerError) and error.retryable
+        return _worker_failed(error)
 
     def backoff_s(self, attempt: int, rng: random.Random) -> float:
         """Delay before attempt ``attempt + 1``."""
@@ -65,7 +66,13 @@ def counts_against_worker(error: EpdError) -> bool:
     """Whether a failure says something about the worker (feeds its circuit breaker).
 
     Retryable worker errors do (lost connection, a worker-side error the worker
-    marked retryable); client errors, router-side conditions and a worker's
-    refusals for load (``overloaded``, ``draining``) do not.
+    marked retryable), and so does a worker that did not answer an attempt
+    within the stage's deadline; client errors, router-side conditions and a
+    worker's refusals for load (``overloaded``, ``draining``) do not.
     """
-    return isinstance(error, WorkerError) and error.retryable and not is_backpressure(error)
+    return _worker_failed(error) and not is_backpressure(error)
+
+
+def _worker_failed(error: EpdError) -> bool:
+    """A failure of the worker itself, which another worker may not repeat."""
+    return isinstance(error, AttemptTimeout) or (isinstance(error, WorkerError) and error.retryable)

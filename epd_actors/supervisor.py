@@ -21,10 +21,19 @@ under one cancel scope with the request's deadline.  For each stage in the
 plan it submits one job per item the actor splits the context into (fan-out
 runs concurrently) and folds each job's ``StageOutput`` into the context.  The
 output stage's job puts its deltas on the caller's event channel itself,
-through an :class:`~.output_relay.OutputRelay`, under the first-token and
-inter-token timeouts the supervisor keeps on the relay's behalf.  Every
+through an :class:`~.output_relay.OutputRelay`, under the inter-token timeout
+the supervisor keeps on the relay's behalf (the first-token deadline belongs to
+each attempt, in the actor, so that a hung decoder's job moves elsewhere).  Every
 request ends with exactly one final event: ``DoneEvent`` (after a
 ``UsageEvent``) or ``ErrorEvent``.
+
+*Hand-offs refused.*  A stage that refuses what an earlier stage handed it
+(D refusing P's KV handle: ``HandoffRejected``) is not retried where it
+failed.  The fault is the producing worker's: its breaker is charged, the
+compensation of the refused handle is run once (and dropped), and the
+pipeline resumes at the producing stage, avoiding every worker whose handle
+was refused, then runs the stages after it again -- at most
+``retry.max_attempts`` hand-offs per request, inside the request deadline.
 
 *Cancellation.*  The caller leaving, the deadline, or router shutdown cancels
 the pipeline; every job still running is cancelled, and each backend aborts
@@ -36,6 +45,8 @@ complete -- so a handle P produced is released if D never consumed it.
 from __future__ import annotations
 
 import logging
+import math
+import random
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -50,6 +61,7 @@ from .errors import (
     ActorCrashed,
     ConfigError,
     EpdError,
+    HandoffRejected,
     Overloaded,
     RequestCancelled,
     StageTimeout,
@@ -67,15 +79,14 @@ from .request import (
     UsageEvent,
     worker_request_id,
 )
+from .retry import RetryPolicy
 
 if TYPE_CHECKING:
-    import random
     from collections.abc import AsyncIterator
 
-    from .actors.jobs import Compensation, StageEvent
+    from .actors.jobs import Compensation, Job, StageEvent
     from .pool import WorkerPool
     from .request import DirectDeltas
-    from .retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +102,15 @@ class SupervisorStatistics:
     requests_refused: int
     actor_restarts: dict[str, int]
     compensations_run: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Handoff:
+    """Who produced the KV hand-off a request carries, and what undoes it."""
+
+    actor: BaseActor
+    worker_id: str | None
+    compensations: list[Compensation]
 
 
 @dataclass(slots=True)
@@ -110,6 +130,9 @@ class _RequestRecord:
     compensations: list[Compensation] = field(default_factory=list)
     error: EpdError | None = None
     direct: DirectDeltas | None = None  # the caller's offer to take deltas itself
+    handoff: _Handoff | None = None  # the stage output the context's KV params came from
+    refused: list[str] = field(default_factory=list)  # workers whose hand-off was refused
+    refusal: HandoffRejected | None = None  # the latest refusal, while its stage runs again
 
     def timings(self) -> RequestTimings:
         now = trio.current_time()
@@ -169,6 +192,8 @@ class Supervisor:
         admission: AdmissionLimits | None = None,
     ) -> None:
         self.observer = observer
+        self.retry = retry or RetryPolicy()
+        self._rng = rng or random.Random()
         self.admission = admission or AdmissionLimits()
         self.requests_refused = 0
         self._idle = trio.Event()
@@ -177,14 +202,7 @@ class Supervisor:
         self.limits = limits or ActorLimits()
         registry = STAGE_ACTORS if registry is None else registry
         self.actors: dict[str, BaseActor] = {
-            stage: actor_class(stage, registry)(
-                pool,
-                inbox_capacity=self.limits.inbox_capacity,
-                max_jobs=self.limits.max_jobs,
-                retry=retry,
-                rng=rng,
-                cleanup_timeout_s=self.deadlines.cleanup_timeout_s,
-            )
+            stage: self._build_actor(actor_class(stage, registry), pool, retry, rng)
             for stage, pool in pools.items()
         }
         self._ordered = sorted(self.actors.values(), key=lambda actor: actor.order)
@@ -202,6 +220,23 @@ class Supervisor:
 
     def __repr__(self) -> str:
         return f"<Supervisor stages={[a.stage for a in self._ordered]}>"
+
+    def _build_actor(
+        self,
+        cls: type[BaseActor],
+        pool: WorkerPool,
+        retry: RetryPolicy | None,
+        rng: random.Random | None,
+    ) -> BaseActor:
+        return cls(
+            pool,
+            inbox_capacity=self.limits.inbox_capacity,
+            max_jobs=self.limits.max_jobs,
+            retry=retry,
+            rng=rng,
+            cleanup_timeout_s=self.deadlines.cleanup_timeout_s,
+            attempt_timeout_s=cls.attempt_timeout(self.deadlines),
+        )
 
     @property
     def topology(self) -> tuple[str, ...]:
@@ -430,14 +465,66 @@ class Supervisor:
                 raise actor.pool.refusal()
         record.lifecycle.advance(Phase.PLANNED)
         context = StageContext(record.request, worker_request_id(record.request.request_id))
-        for actor in plan:
+        index = 0
+        while index < len(plan):
+            actor = plan[index]
             record.lifecycle.advance(actor.phase)
-            await self._run_stage(actor, context, record, events)
+            try:
+                await self._run_stage(actor, context, record, events)
+            except HandoffRejected as refusal:
+                index = await self._redo_handoff(plan, record, refusal)
+                continue
+            index += 1
         if record.finish_reason is None:
             raise ActorCrashed("the output stage ended without a finish reason")
         usage = record.usage or Usage(context.prompt_tokens or 0, record.completion_tokens)
         await events.send(UsageEvent(usage))
         return DoneEvent(record.finish_reason, usage, record.timings())
+
+    async def _redo_handoff(
+        self, plan: list[BaseActor], record: _RequestRecord, refusal: HandoffRejected
+    ) -> int:
+        """Blame a refused hand-off on its producer; the plan index to resume at.
+
+        Charges the producing worker's breaker, runs the refused handle's
+        compensation once (and drops it), and makes the producing stage's next
+        job avoid every worker whose hand-off was refused.
+
+        Raises:
+            HandoffRejected: ``refusal``, when the producer is unknown or the
+                request had ``retry.max_attempts`` hand-offs already.
+
+        Cancellation: the compensation is shielded and bounded; the backoff
+        before the next hand-off is cancellable.
+        """
+        handoff = record.handoff
+        if handoff is None or handoff.actor not in plan:
+            raise refusal
+        record.handoff = None
+        record.refused.append(handoff.worker_id or "?")
+        record.refusal = refusal
+        self._charge(handoff)
+        for compensation in handoff.compensations:
+            record.compensations.remove(compensation)
+        await self._run_compensations(record, handoff.compensations)
+        attempt = len(record.refused)
+        if attempt >= self.retry.max_attempts:
+            raise refusal
+        logger.warning(
+            "request %s: %s; running %s again without worker %s",
+            record.request.request_id,
+            refusal,
+            handoff.actor.stage,
+            handoff.worker_id,
+        )
+        await trio.sleep(self.retry.backoff_s(attempt, self._rng))
+        return plan.index(handoff.actor)
+
+    def _charge(self, handoff: _Handoff) -> None:
+        """Count a refused hand-off against the circuit breaker of the worker that made it."""
+        member = None if handoff.worker_id is None else handoff.actor.pool.get(handoff.worker_id)
+        if member is not None:
+            member.breaker.record_failure(trio.current_time())
 
     async def _run_stage(
         self,
@@ -493,8 +580,12 @@ class Supervisor:
             events, record, self.deadlines.inter_token_timeout_s, direct=record.direct
         )
         output = relay if actor.produces_output else None
+        avoid = tuple(record.refused) if record.refusal is not None else ()
+        submitted = actor.submit(
+            context, item, output=output, avoid=avoid, after=record.refusal if avoid else None
+        )
         try:
-            async with actor.submit(context, item, output=output) as (job, replies):
+            async with submitted as (job, replies):
                 while True:
                     try:
                         event = await self._next_event(actor, replies, relay)
@@ -513,7 +604,7 @@ class Supervisor:
                                 "job without an answer"
                             )
                         if await self._absorb(event, context, record, relay):
-                            record.compensations.extend(job.hand_over())
+                            self._take_over(actor, job, event, record)
                             if job.started_at is not None:
                                 waits.append(job.started_at - job.enqueued_at)
                             if job.worker_id is not None:
@@ -528,17 +619,33 @@ class Supervisor:
         finally:
             relay.close()  # a late delta must not follow what the supervisor sends next
 
+    def _take_over(
+        self, actor: BaseActor, job: Job, event: StageEvent, record: _RequestRecord
+    ) -> None:
+        """Take a finished job's compensations; note it if it produced the KV hand-off.
+
+        Synchronous: it runs in the scheduling step that received the final event.
+        """
+        taken = job.hand_over()
+        record.compensations.extend(taken)
+        if isinstance(event, StageOutput) and event.kv_transfer_params is not None:
+            record.handoff = _Handoff(actor, job.worker_id, taken)
+            record.refusal = None
+
     async def _next_event(
         self,
         actor: BaseActor,
         replies: trio.MemoryReceiveChannel[StageEvent],
         relay: OutputRelay,
     ) -> StageEvent | None:
-        """The job's next event, for an output stage within its token deadlines.
+        """The job's next event, for an output stage within its inter-token deadline.
 
         The deltas bypass this task, so the deadline comes from the relay
         (:meth:`OutputRelay.deadline`): when it passes, the relay is asked
-        again, and the wait goes on if a delta came meanwhile.
+        again, and the wait goes on if a delta came meanwhile.  Until the
+        first delta there is none here: the first-token deadline belongs to
+        each attempt of the job (the actor retries a worker that misses it),
+        and the request deadline bounds them all.
         """
         if not actor.produces_output:
             try:
@@ -546,9 +653,8 @@ class Supervisor:
             except trio.EndOfChannel:
                 return None
         deadlines = self.deadlines
-        first_token_deadline = trio.current_time() + deadlines.first_token_timeout_s
         while True:
-            deadline = relay.deadline(first_token_deadline)
+            deadline = relay.deadline(math.inf)
             if deadline <= trio.current_time():
                 break
             with trio.move_on_at(deadline) as relay.watch:
@@ -558,12 +664,9 @@ class Supervisor:
                     return None
                 finally:
                     relay.watch = None
-        timeout, phase = (
-            (deadlines.inter_token_timeout_s, "inter token")
-            if relay.relayed
-            else (deadlines.first_token_timeout_s, "first token")
+        raise StageTimeout(
+            f"no inter token within {deadlines.inter_token_timeout_s:g}s", phase="inter_token"
         )
-        raise StageTimeout(f"no {phase} within {timeout:g}s", phase=phase.replace(" ", "_"))
 
     async def _absorb(
         self, event: StageEvent, context: StageContext, record: _RequestRecord, relay: OutputRelay
@@ -585,16 +688,22 @@ class Supervisor:
 
     async def _compensate(self, record: _RequestRecord) -> None:
         """Undo what finished stages left behind (shielded, bounded)."""
-        if not record.compensations:
+        compensations, record.compensations = record.compensations, []
+        await self._run_compensations(record, compensations)
+
+    async def _run_compensations(
+        self, record: _RequestRecord, compensations: list[Compensation]
+    ) -> None:
+        """Run ``compensations`` once each, logging failures (shielded, bounded)."""
+        if not compensations:
             return
         with trio.move_on_after(self.deadlines.cleanup_timeout_s, shield=True):
-            for compensation in record.compensations:
+            for compensation in compensations:
                 self.compensations_run += 1
                 try:
                     await compensation()
                 except EpdError as exc:
                     logger.warning("request %s: cleanup failed: %s", record.request.request_id, exc)
-        record.compensations.clear()
 
 
 def _check_topology(actors: list[BaseActor]) -> None:

@@ -62,6 +62,8 @@ def test_defaults_of_a_minimal_file(tmp_path: Path) -> None:
             "server.media.allowed_url_prefixes",
         ),
         ("[deadlines]\nrequest_timeout_s = 0\n", "deadlines.request_timeout_s"),
+        ("[deadlines]\nencode_timeout_s = 0\n", "deadlines.encode_timeout_s"),
+        ("[deadlines]\nprefill_timeout_s = -1\n", "deadlines.prefill_timeout_s"),
         ("[actors]\nmax_jobs = 0\n", "actors.max_jobs"),
         ("[pools.pd]\npolicy = 'fastest'\n", "pools.pd.policy"),
         (
@@ -172,3 +174,11 @@ def test_every_example_config_is_valid(path: Path) -> None:
     from epd_actors.check_config import check_topology
 
     check_topology(load_config(path, environ=ENV))
+
+
+def test_the_stage_deadlines_are_read(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(MINIMAL + "[deadlines]\nencode_timeout_s = 7\nprefill_timeout_s = 9.5\n")
+    deadlines = load_config(path).router.deadlines
+    assert (deadlines.encode_timeout_s, deadlines.prefill_timeout_s) == (7.0, 9.5)
+    assert deadlines.first_token_timeout_s == 120.0

@@ -261,6 +261,11 @@ def test_invalid_settings_name_their_field(field: str, value: object) -> None:
 # ---------------------------------------------------------------- handshake
 
 
+async def run_on_an_engine_that_goes_down(backend: NativeBackend, request_id: str) -> None:
+    with pytest.raises(WorkerDisconnected, match="engine not ready"):
+        await backend.run_stage(prefill(request_id))
+
+
 async def test_handshake_stores_welcome_and_heartbeats_report_load(autojump_clock: object) -> None:
     engine = ScriptedEngine(model="tiny", gate=trio.Event())
     server = make_server(engine, max_concurrency=7)
@@ -270,15 +275,16 @@ async def test_handshake_stores_welcome_and_heartbeats_report_load(autojump_cloc
         assert backend.status() == BackendStatus(
             connected=True, draining=False, ready=True, worker_aborts=0, max_concurrency=7
         )
+
         async with trio.open_nursery() as nursery:
             for request_id in ("a", "b"):
-                nursery.start_soon(backend.run_stage, prefill(request_id))
+                nursery.start_soon(run_on_an_engine_that_goes_down, backend, request_id)
             await trio.sleep(1.5)  # the ping at 1.0 reports both requests
             assert backend.status().worker_load == 2
             engine.ready = False
             await trio.sleep(1.0)
             assert backend.status().ready is False
-            engine.gate.set()  # type: ignore[union-attr]
+        assert sorted(engine.aborted) == ["a", "b"]  # the requests were aborted there
         stats = backend.statistics()
         assert (stats.connects, stats.role, stats.model, stats.last_rtt_s) == (
             1,

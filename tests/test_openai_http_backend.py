@@ -19,7 +19,7 @@ import subprocess
 import sys
 from collections import Counter
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import httpx
@@ -847,7 +847,8 @@ async def test_health_follows_the_engine_and_models_pass_through() -> None:
         assert health.status_code == 503
 
 
-async def test_an_unknown_kv_handle_is_a_client_error() -> None:
+async def test_an_unknown_kv_handle_keeps_its_code() -> None:
+    """Not ``invalid_request``: the decode actor blames the prefill worker for it."""
     async with sim_http_fleet({"decode": 1}) as fleet:
         factory = OpenAIHttpBackendFactory(FAST)
         async with running_backend(fleet, "decode-0", factory) as decoder:
@@ -856,7 +857,7 @@ async def test_an_unknown_kv_handle_is_a_client_error() -> None:
             with pytest.raises(RemoteWorkerError) as caught:
                 async with decoder.open_stream(request):
                     pass
-        assert (caught.value.code, caught.value.retryable) == (ErrorCode.INVALID_REQUEST, False)
+        assert (caught.value.code, caught.value.retryable) == (ErrorCode.UNKNOWN_KV_HANDLE, False)
         assert "unknown" in caught.value.detail
 
 
@@ -931,6 +932,43 @@ async def test_a_stream_fails_soon_after_its_worker_goes_down(reading: bool) -> 
                         await read_to_the_end(stream)
             assert not backend.status().ready
             assert backend.statistics().in_flight == 0
+
+
+@pytest.mark.parametrize("stage", ["prefill", "decode"])
+async def test_requests_waiting_on_a_stalled_worker_move_as_soon_as_it_is_down(
+    stage: str,
+) -> None:
+    """A stalled server (``SIGSTOP``) answers nothing, not even a response head.
+
+    Once the probes take it down, a request still waiting for its answer moves
+    to the other worker at once, not after its read timeout (60 s here) or the
+    stage's deadline.  The guard fails the test long before either.
+    """
+    settings = OpenAIHttpSettings(health_interval_s=0.02, failures_to_down=2, read_timeout_s=60.0)
+    stalled = f"{stage}-0"
+    configs = {stalled: replace(QUICK, stall_s=float("inf"))}
+    async with sim_http_fleet({"prefill": 2, "decode": 2}, configs=configs) as fleet:
+        async with fleet_router(
+            fleet, settings=settings, policies={stage: "round_robin"}
+        ) as router:
+
+            async def wedge_once_it_arrived() -> None:
+                await fleet.servers[stalled].log.wait_for(bool)
+                fleet.engine(stalled).wedge()  # /health answers 503 from now on
+
+            with trio.fail_after(3):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(wedge_once_it_arrived)
+                    done = final(await collect(router, GenerationRequest(Prompt(text="hello"))))
+                await fleet.servers[stalled].log.wait_for(
+                    lambda log: log[0]["disconnected"] is True
+                )
+            assert router.backends[stalled].status().ready is False
+        assert isinstance(done, DoneEvent), done
+        assert done.timings.workers[stage] == (f"{stage}-1",)
+        assert [e["x_request_id"] for e in fleet.log(f"{stage}-1")] == [
+            e["x_request_id"] for e in fleet.log(stalled)
+        ]
 
 
 async def read_to_the_end(stream: OpenAIHttpDeltaStream) -> None:

@@ -15,6 +15,7 @@ from epd_actors.config import ActorLimits, AdmissionLimits, Deadlines
 from epd_actors.errors import (
     ActorCrashed,
     ConfigError,
+    HandoffRejected,
     InvalidRequest,
     NoHealthyWorker,
     Overloaded,
@@ -38,7 +39,10 @@ from epd_actors.supervisor import Supervisor
 from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
 
 if TYPE_CHECKING:
-    from epd_actors.backends.base import StageBackend
+    from contextlib import AbstractAsyncContextManager
+
+    from epd_actors.backends.base import BackendStatus, DeltaStream, StageBackend
+    from epd_actors.protocol import EncodeRequest, GenerateRequest, PrefillRequest, StageResult
 
 # Latencies chosen so every stage boundary is a distinct, exact virtual time.
 TIMED = sim_config(
@@ -637,6 +641,79 @@ async def test_when_every_worker_failed_the_last_error_is_reported() -> None:
     assert isinstance(failed, ErrorEvent)
     assert isinstance(failed.error, RemoteWorkerError)
     assert fleet.total("prefill_requests") == 2
+
+
+class LosesItsHandles:
+    """A prefill worker that frees each KV handle as soon as it answered (a bad P).
+
+    Speaks the real backend interface over a real simulated engine; counts the
+    releases the router sends it.
+    """
+
+    def __init__(self, inner: StageBackend) -> None:
+        self.inner = inner
+        self.worker_id = inner.worker_id
+        self.releases: list[dict[str, object]] = []
+
+    def status(self) -> BackendStatus:
+        return self.inner.status()
+
+    async def run_stage(self, request: EncodeRequest | PrefillRequest) -> StageResult:
+        result = await self.inner.run_stage(request)
+        assert result.kv_transfer_params is not None
+        await self.inner.release(result.kv_transfer_params)
+        return result
+
+    def open_stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[DeltaStream]:
+        return self.inner.open_stream(request)
+
+    async def release(self, kv_transfer_params: dict[str, object]) -> bool:
+        self.releases.append(kv_transfer_params)
+        return await self.inner.release(kv_transfer_params)
+
+
+def with_a_bad_prefill_worker(fleet: SimFleet) -> LosesItsHandles:
+    """Replace ``prefill-0`` by a :class:`LosesItsHandles`, still the first one chosen."""
+    pool = fleet.pools["prefill"]
+    good = [pool.remove(m.worker_id).backend for m in pool.members]
+    bad = LosesItsHandles(good[0])
+    for backend in [bad, *good[1:]]:
+        pool.add(backend)
+    return bad
+
+
+async def test_a_refused_kv_handle_is_blamed_on_its_prefill_worker_and_prefill_moves() -> None:
+    """D refusing P's handle is P's failure: P's breaker is charged, the refused
+    handle released once, and P runs again on another worker, then D."""
+    fleet = build_sim_fleet({"prefill": 2, "decode": 1})
+    bad = with_a_bad_prefill_worker(fleet)
+    supervisor, events = await run_one(fleet, text(), retry=RetryPolicy(jitter=0.0))
+    done = final(events)
+    assert isinstance(done, DoneEvent), done
+    assert done.timings.workers == {"prefill": ("prefill-1",), "decode": ("decode-0",)}
+    assert fleet.engines["decode-0"].statistics().generate_requests == 2
+    assert len(bad.releases) == 1  # the refused handle, once; nothing else
+    bad_member = fleet.pools["prefill"].get("prefill-0")
+    assert bad_member is not None
+    assert repr(bad_member.breaker) == "<CircuitBreaker closed failures=1>"
+    decoder = fleet.pools["decode"].get("decode-0")
+    assert decoder is not None
+    assert repr(decoder.breaker) == "<CircuitBreaker closed failures=0>"
+    assert supervisor.actors["decode"].statistics().retries_total == 0
+    assert_no_leaks(fleet)
+
+
+async def test_refused_hand_offs_are_bounded_by_the_retry_policy() -> None:
+    fleet = build_sim_fleet({"prefill": 1, "decode": 1})
+    bad = with_a_bad_prefill_worker(fleet)
+    _, events = await run_one(fleet, text(), retry=RetryPolicy(max_attempts=3, jitter=0.0))
+    failed = final(events)
+    assert isinstance(failed, ErrorEvent)
+    assert isinstance(failed.error, HandoffRejected)  # a 502, not a client error
+    assert failed.error.cause.code == "unknown_kv_handle"
+    assert fleet.engines["decode-0"].statistics().generate_requests == 1  # no other P
+    assert len(bad.releases) == 1
+    assert_no_leaks(fleet)
 
 
 # ---------------------------------------------------------------- admission

@@ -15,6 +15,14 @@ job in the inbox and yields the receiving end of the job's reply channel;
 leaving it cancels the job, wherever it is (still queued, or running on a
 worker, in which case the backend aborts the work on the worker).
 
+Attempts: each attempt on a worker runs under the stage's attempt deadline
+(:meth:`BaseActor.attempt_timeout`: the whole answer for a stage that hands
+something on, the first token for an output stage).  A worker that misses it
+is treated like a failing one: the attempt is cancelled (the backend aborts
+it there), ``AttemptTimeout`` is counted against the worker's breaker, and
+the job moves to another worker within the retry policy.  Whatever a failed
+attempt registered for undoing is undone before the next one.
+
 Errors: a typed ``EpdError`` fails only its job (a ``StageFailure`` event).
 Anything else is a bug and crashes the actor: every job it holds is cancelled
 (their requesters see the reply channel close without an answer) and the
@@ -29,6 +37,7 @@ the inbox, the nursery or the limiter.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -36,7 +45,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import trio
 
-from ..errors import EpdError, NoHealthyWorker
+from ..errors import AttemptTimeout, EpdError, NoHealthyWorker
 from ..health import is_backpressure
 from ..limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, JOB_REPLY_BUFFER
 from ..retry import RetryPolicy, counts_against_worker
@@ -47,11 +56,13 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
 
     from ..backends.base import StageBackend
+    from ..config import Deadlines
     from ..lifecycle import Phase
     from ..output_relay import OutputRelay
     from ..pool import WorkerPool
     from ..protocol import Delta, GenerateRequest
     from ..request import GenerationRequest
+    from .jobs import Compensation
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +100,8 @@ class BaseActor:
         retry: when a failed attempt moves to another worker.
         rng: randomness for retry jitter (tests pass a seeded one).
         cleanup_timeout_s: bound of the compensations a job runs itself.
+        attempt_timeout_s: the deadline of one attempt on one worker (see
+            :meth:`attempt_timeout`; the supervisor passes the configured one).
     """
 
     stage: ClassVar[str]
@@ -107,9 +120,11 @@ class BaseActor:
         retry: RetryPolicy | None = None,
         rng: random.Random | None = None,
         cleanup_timeout_s: float = CLEANUP_TIMEOUT_S,
+        attempt_timeout_s: float = math.inf,
     ) -> None:
         self.pool = pool
         self.cleanup_timeout_s = cleanup_timeout_s
+        self.attempt_timeout_s = attempt_timeout_s
         self.retry = retry or RetryPolicy()
         self._rng = rng or random.Random()
         self.retries_total = 0
@@ -129,6 +144,16 @@ class BaseActor:
     def applies_to(cls, request: GenerationRequest) -> bool:
         """Whether a request needs this stage at all (default: yes)."""
         return True
+
+    @classmethod
+    def attempt_timeout(cls, deadlines: Deadlines) -> float:
+        """The configured deadline of one attempt of this stage (default: none).
+
+        For a stage that hands something on, to its answer; for an output
+        stage, to its first token (the output's later pace is the
+        supervisor's inter-token deadline).
+        """
+        return math.inf
 
     @classmethod
     def split(cls, context: StageContext) -> list[int | None]:
@@ -209,7 +234,8 @@ class BaseActor:
                         # backend's context manager and crash the actor.
                         logger.debug("%s job of %s: requester left", self.stage, job.request_id)
                         return
-                    job.output_started = True
+                    if not job.output_started:
+                        job.output_began()
                     if receive_nowait is None:
                         break
                     try:
@@ -236,12 +262,21 @@ class BaseActor:
 
     @asynccontextmanager
     async def submit(
-        self, context: StageContext, item: int | None, *, output: OutputRelay | None = None
+        self,
+        context: StageContext,
+        item: int | None,
+        *,
+        output: OutputRelay | None = None,
+        avoid: tuple[str, ...] = (),
+        after: EpdError | None = None,
     ) -> AsyncIterator[tuple[Job, trio.MemoryReceiveChannel[StageEvent]]]:
         """Queue a job; yield it (read-only) and its reply channel; cancel it on exit.
 
         ``output`` (an output stage's requester only) takes the job's non-final
         deltas straight to the request's caller; see :mod:`~epd_actors.output_relay`.
+        ``avoid``: workers the job must not use (their earlier result for the
+        request proved bad); ``after``: the error that made the requester run
+        the job again, reported if no other worker can take it.
 
         A job that would not wait -- the actor is running and not crashing,
         its inbox is empty and it has a free job slot -- skips the inbox: its
@@ -253,7 +288,15 @@ class BaseActor:
         Cancellation: leaving the block (normally or not) cancels the job.
         """
         reply_send, reply_receive = trio.open_memory_channel[StageEvent](JOB_REPLY_BUFFER)
-        job = Job(context, item, reply_send, enqueued_at=trio.current_time(), output=output)
+        job = Job(
+            context,
+            item,
+            reply_send,
+            enqueued_at=trio.current_time(),
+            output=output,
+            avoid=avoid,
+            last_error=after,
+        )
         if not self._start_at_once(job):
             try:
                 await self._inbox_send.send(job)
@@ -324,14 +367,7 @@ class BaseActor:
 
     async def _compensate(self, job: Job) -> None:
         """Undo a job whose requester left before taking its result (shielded, bounded)."""
-        with trio.move_on_after(self.cleanup_timeout_s, shield=True):
-            for compensation in job.hand_over():
-                try:
-                    await compensation()
-                except EpdError as exc:
-                    logger.warning(
-                        "%s job of %s: cleanup failed: %s", self.stage, job.request_id, exc
-                    )
+        await self._run_compensations(job, job.hand_over())
 
     async def _attempt(self, job: Job) -> None:
         self.jobs_total += 1
@@ -358,7 +394,7 @@ class BaseActor:
                 worker left refused the job as full).
         """
         key = self.route_key(job)
-        tried: list[str] = []
+        tried = list(job.avoid)
         attempt = 0
         while True:
             attempt += 1
@@ -374,8 +410,9 @@ class BaseActor:
                 raise
             job.worker_id = lease.member.worker_id
             passed_on = False
+            undo_from = len(job.compensations)
             try:
-                await self.handle(job, lease.backend)
+                await self._attempt_on(job, lease.backend)
                 lease.succeeded()
                 return
             except EpdError as exc:
@@ -392,6 +429,7 @@ class BaseActor:
                     lease.failed()  # a worker that stops answering is a failing worker
                 lease.release()
             tried.append(lease.member.worker_id)
+            await self._undo_attempt(job, undo_from)
             if passed_on:
                 attempt -= 1  # a full worker is not a failed attempt
                 logger.debug("%s job of %s: %s", self.stage, job.request_id, job.last_error)
@@ -405,6 +443,67 @@ class BaseActor:
                 attempt,
             )
             await trio.sleep(self.retry.backoff_s(attempt, self._rng))
+
+    async def _attempt_on(self, job: Job, backend: StageBackend) -> None:
+        """One attempt: :meth:`handle` under the stage's attempt deadline.
+
+        The deadline is lifted once the job's output started (the first delta
+        that reached the requester, also when the backend's reader handed it
+        over through ``job.output``).
+
+        Raises:
+            AttemptTimeout: the worker missed the deadline; the attempt was
+                cancelled, so the backend aborted it on the worker.
+            EpdError: what :meth:`handle` raised.
+
+        Cancellation: the requester's cancellation passes through unchanged.
+        """
+        output = job.output
+        with trio.move_on_after(self.attempt_timeout_s) as scope:
+            job.attempt = scope
+            if output is not None:
+                output.attempt = scope
+            try:
+                await self.handle(job, backend)
+            finally:
+                job.attempt = None
+                if output is not None:
+                    output.attempt = None
+        if scope.cancelled_caught:
+            raise self._attempt_timed_out(job)
+
+    def _attempt_timed_out(self, job: Job) -> AttemptTimeout:
+        if self.produces_output:
+            what, phase = "first token", "first_token"
+        else:
+            what, phase = "answer", self.stage
+        worker = job.worker_id or "?"
+        return AttemptTimeout(
+            f"{self.stage} attempt of {job.request_id} on worker {worker}: "
+            f"no {what} within {self.attempt_timeout_s:g}s",
+            phase=phase,
+            worker_id=worker,
+        )
+
+    async def _undo_attempt(self, job: Job, undo_from: int) -> None:
+        """Undo what a failed attempt registered (the next attempt registers its own).
+
+        Cancellation: shielded, bounded by ``cleanup_timeout_s``.
+        """
+        leftovers = job.compensations[undo_from:]
+        del job.compensations[undo_from:]
+        if leftovers:
+            await self._run_compensations(job, leftovers)
+
+    async def _run_compensations(self, job: Job, compensations: list[Compensation]) -> None:
+        with trio.move_on_after(self.cleanup_timeout_s, shield=True):
+            for compensation in compensations:
+                try:
+                    await compensation()
+                except EpdError as exc:
+                    logger.warning(
+                        "%s job of %s: cleanup failed: %s", self.stage, job.request_id, exc
+                    )
 
     async def _report(self, job: Job, failure: StageFailure) -> None:
         try:

@@ -1,16 +1,25 @@
-"""D: stream the output from the KV cache P handed over."""
+"""D: stream the output from the KV cache P handed over.
+
+A decoder that refuses the hand-off itself -- ``unknown_kv_handle``, or an
+invalid-request answer blaming ``kv_transfer_params`` -- before any output is
+not the client's fault: the job fails with ``HandoffRejected``, which the
+supervisor charges to the worker that produced the handle (and runs that
+stage again elsewhere), and which no other decoder would fix.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from ..errors import HandoffRejected, RemoteWorkerError
 from ..lifecycle import Phase
-from ..protocol import GenerateRequest, Role
+from ..protocol import ErrorCode, GenerateRequest, Role
 from .base import BaseActor
 from .registry import register_stage
 
 if TYPE_CHECKING:
     from ..backends.base import StageBackend
+    from ..config import Deadlines
     from .jobs import Job
 
 
@@ -25,19 +34,39 @@ class DecodeActor(BaseActor):
     produces_output = True
     requires: ClassVar[tuple[str, ...]] = ("prefill",)
 
+    @classmethod
+    def attempt_timeout(cls, deadlines: Deadlines) -> float:
+        return deadlines.first_token_timeout_s
+
     async def handle(self, job: Job, backend: StageBackend) -> None:
         context = job.context
         request = context.request
-        await self.stream_output(
-            job,
-            backend,
-            GenerateRequest(
-                job.request_id,
-                request.prompt,
-                request.media,
-                request.sampling,
-                kv_transfer_params=context.kv_transfer_params,
-                ec_transfer_params=context.ec_transfer_params,
-                options=request.options,
-            ),
+        generate = GenerateRequest(
+            job.request_id,
+            request.prompt,
+            request.media,
+            request.sampling,
+            kv_transfer_params=context.kv_transfer_params,
+            ec_transfer_params=context.ec_transfer_params,
+            options=request.options,
         )
+        try:
+            await self.stream_output(job, backend, generate)
+        except RemoteWorkerError as exc:
+            if generate.kv_transfer_params is None or job.output_started:
+                raise
+            if not _refuses_the_handle(exc):
+                raise
+            raise HandoffRejected(
+                f"{self.stage} worker {job.worker_id} refused the KV handle it was handed: "
+                f"{exc.detail}",
+                cause=exc,
+                stage=self.stage,
+            ) from exc
+
+
+def _refuses_the_handle(error: RemoteWorkerError) -> bool:
+    """Whether a decoder's refusal is about the KV hand-off rather than the request."""
+    if error.code == ErrorCode.UNKNOWN_KV_HANDLE:
+        return True
+    return error.code == ErrorCode.INVALID_REQUEST and error.param == "kv_transfer_params"

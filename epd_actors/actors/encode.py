@@ -13,6 +13,7 @@ from .registry import register_stage
 
 if TYPE_CHECKING:
     from ..backends.base import StageBackend
+    from ..config import Deadlines
     from ..request import GenerationRequest
 
 
@@ -24,6 +25,10 @@ class EncodeActor(BaseActor):
     worker_roles = frozenset({Role.ENCODE})
     phase = Phase.ENCODING
     order = 10
+
+    @classmethod
+    def attempt_timeout(cls, deadlines: Deadlines) -> float:
+        return deadlines.encode_timeout_s
 
     @classmethod
     def applies_to(cls, request: GenerationRequest) -> bool:

@@ -12,6 +12,7 @@ event means the actor crashed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -98,9 +99,12 @@ class Job:
         output_started: set once an output token reached the requester (an
             output stage is never retried after that).
         last_error: the error of the previous attempt, when retrying.
-        timed_out: set by the requester when its first-token or inter-token
-            deadline expired on this job; the worker's circuit breaker counts it
-            as a failure.
+        timed_out: set by the requester when its inter-token deadline expired
+            on this job; the worker's circuit breaker counts it as a failure.
+        avoid: workers the job must not run on (their earlier result for this
+            request was refused by a later stage).
+        attempt: the cancel scope of the running attempt, whose deadline is
+            the stage's attempt deadline until the output starts.
         compensations: what undoes the job's leftovers (a prefilled KV handle)
             should the request not complete.  Whoever holds them runs them: the
             job's own task, unless the requester took them over together with
@@ -121,11 +125,19 @@ class Job:
     last_error: EpdError | None = None
     timed_out: bool = False
     output: OutputRelay | None = None
+    avoid: tuple[str, ...] = ()
+    attempt: trio.CancelScope | None = None
 
     @property
     def request_id(self) -> str:
         """The id this job's worker requests carry."""
         return self.context.wire_id or self.context.request.request_id
+
+    def output_began(self) -> None:
+        """An output delta reached the requester: no retry, no attempt deadline from now on."""
+        self.output_started = True
+        if self.attempt is not None:
+            self.attempt.deadline = math.inf
 
     def add_compensation(self, compensation: Compensation) -> None:
         """Register an undo step before announcing the result it undoes."""

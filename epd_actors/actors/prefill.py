@@ -13,6 +13,7 @@ from .registry import register_stage
 
 if TYPE_CHECKING:
     from ..backends.base import StageBackend
+    from ..config import Deadlines
 
 
 @register_stage
@@ -24,6 +25,10 @@ class PrefillActor(BaseActor):
     phase = Phase.PREFILLING
     order = 20
     requires = ("decode",)
+
+    @classmethod
+    def attempt_timeout(cls, deadlines: Deadlines) -> float:
+        return deadlines.prefill_timeout_s
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
         context = job.context

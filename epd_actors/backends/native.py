@@ -25,7 +25,11 @@ workers are down -- and then loops:
    ahead.  The first task to fail (a lost stream, a protocol error, a silent
    worker, a stuck write) or a deliberate close ends the connection, and only
    the connection: ``run`` logs and carries on;
-3. fail every request still in flight on it with ``WorkerDisconnected``;
+3. fail every request still in flight on it with ``WorkerDisconnected``.
+   A worker whose ``Pong`` says its engine is no longer ready is down too,
+   though its connection stays: its stage requests fail the same way at once
+   (and are aborted there), as an ``openai_http`` worker's do when its health
+   probes fail, so the stages move to other workers;
 4. wait a jittered exponential backoff (back to its start value after a
    connection that was welcomed) and start again at 1.
 
@@ -653,9 +657,32 @@ class NativeBackend:
             self._last_rtt_s = now - sent_at
         for nonce in [n for n in conn.pings if n < pong.nonce]:
             del conn.pings[nonce]
+        was_ready = self._worker_stats is not None and self._worker_stats.engine_ready
         self._worker_stats = pong.stats
         if pong.stats.engine_ready and self._conn is conn:
             self._ready.set()
+        elif was_ready:
+            self._engine_down(conn)
+
+    def _engine_down(self, conn: _Connection) -> None:
+        """The engine stopped being ready: fail and abort every stage request on ``conn``.
+
+        Releases still go through (a worker frees handles without its engine's help).
+        """
+        logger.warning("worker %s reports its engine not ready", self.worker_id)
+        for pending in list(self._pending.values()):
+            if pending.connection is not conn or pending.settled.is_set() or not pending.abortable:
+                continue
+            pending.fail(
+                WorkerDisconnected(
+                    f"worker {self.worker_id} reported its engine not ready while "
+                    f"{pending.request_id!r} ran"
+                )
+            )
+            if pending.sent and not pending.abort_sent:
+                pending.abort_sent = True
+                self._aborts_sent += 1
+                conn.outbox.put_after(pending.number, self._encode(Abort(pending.request_id)))
 
     def _on_aborted(self, conn: _Connection, message: Aborted) -> None:
         pending = self._pending.get(message.request_id)

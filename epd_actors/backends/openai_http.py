@@ -14,7 +14,13 @@ its own (never queued behind requests in a saturated pool).  Two
 ``status()``: *connected* (the server answers HTTP at all) and *ready* (it
 answers 200).  ``failures_to_down`` bad probes in a row take a worker down,
 ``successes_to_up`` good ones bring it back; a request that cannot even
-connect takes it down at once.
+connect takes it down at once.  When the worker goes down, every request
+still waiting on it ends at once with ``WorkerDisconnected`` (retryable, so
+the stage moves to another worker): an encode or prefill call, a stream
+waiting for its response head (:class:`_UntilDown`), and a stream already
+open (:meth:`OpenAIHttpDeltaStream.abandon`) -- rather than after its read
+timeout or the stage's deadline, since a stalled server (``SIGSTOP``) answers
+nothing, not even an error.
 
 The same probe then reads ``GET /v1/models``: a server that does not serve the
 router's model is *refused* (logged at error level, ``status().refused``, never
@@ -39,7 +45,9 @@ Errors are mapped once, in :meth:`OpenAIHttpBackend._mapped`: no connection
 retryable=True)``; HTTP 429 and
 5xx -> ``RemoteWorkerError`` (retryable); other 4xx ->
 ``RemoteWorkerError(code="invalid_request", retryable=False)`` carrying
-vLLM's message (and the ``param`` it blames); a reply that breaks the contract
+vLLM's message (and the ``param`` it blames), or ``code="unknown_kv_handle"``
+when the body says so (a decoder refusing the KV handle a prefill worker
+handed on: the decode actor blames that worker); a reply that breaks the contract
 or exceeds a size limit -> ``RemoteWorkerError(code="protocol_error",
 retryable=True)``.
 
@@ -272,6 +280,44 @@ class _ErrorScope:
             raise self._backend._translate(exc, self._stage, self._request_id) from exc
 
 
+class _UntilDown:
+    """A scope around a wait for the worker's answer that its going down ends.
+
+    The backend cancels every such scope when the health probes (or a refused
+    connection) take the worker down; the wait then raises
+    ``WorkerDisconnected``.  The HTTP client closes the cancelled request's
+    connection, so the server aborts whatever it may still do for it.  A plain
+    class rather than a generator-based context manager, like :class:`_ErrorScope`.
+    """
+
+    __slots__ = ("_backend", "_request_id", "_scope")
+
+    def __init__(self, backend: OpenAIHttpBackend, request_id: str) -> None:
+        self._backend = backend
+        self._request_id = request_id
+        self._scope = trio.CancelScope()
+
+    def __enter__(self) -> None:
+        self._scope.__enter__()
+        self._backend._waiting.add(self._scope)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        # Returns None: only the scope's own cancellation is caught, and replaced.
+        backend = self._backend
+        backend._waiting.discard(self._scope)
+        self._scope.__exit__(exc_type, exc, traceback)
+        if self._scope.cancelled_caught:
+            raise WorkerDisconnected(
+                f"worker {backend.worker_id} went down (health probes) while "
+                f"{self._request_id!r} waited for its answer: {backend._down_reason}"
+            ) from None
+
+
 class OpenAIHttpBackend:
     """One ``vllm serve`` instance, as the stage actors see it (a ``ManagedBackend``).
 
@@ -321,6 +367,8 @@ class OpenAIHttpBackend:
         self._refused: str | None = None
         self._refusals = 0
         self._streams: set[OpenAIHttpDeltaStream] = set()  # open generate streams
+        self._waiting: set[trio.CancelScope] = set()  # requests waiting for an answer
+        self._down_reason = ""
         self._in_flight = 0
         self._aborts_sent = 0  # requests closed before their answer (vLLM aborts them)
         self._probes = 0
@@ -538,10 +586,13 @@ class OpenAIHttpBackend:
         self._changed = trio.Event()
         if not status.ready:
             # A server can keep a stream's connection open after its engine
-            # died (vLLM does on shutdown): fail such streams now rather than
-            # after the inter-token deadline.
+            # died (vLLM does on shutdown), and a stalled one answers nothing:
+            # fail what waits on it now, rather than after a timeout.
+            self._down_reason = why
             for stream in list(self._streams):
                 stream.abandon(why)
+            for scope in list(self._waiting):
+                scope.cancel(reason=f"worker {self.worker_id} went down: {why}")
 
     def _set_down(self, why: str, *, expected: bool = False) -> None:
         if self._reachable.force_down() | self._healthy.force_down():
@@ -600,7 +651,11 @@ class OpenAIHttpBackend:
         if status >= 500 or status in _RETRYABLE_STATUSES:
             code = ErrorCode.OVERLOADED if status in (429, 503) else ErrorCode.ENGINE_ERROR
             return self._remote(code, message, stage, request_id, True)
-        refusal = self._remote(ErrorCode.INVALID_REQUEST, message, stage, request_id, False)
+        # A refused KV handle keeps its own code: it blames P's worker, not the client.
+        code = ErrorCode.INVALID_REQUEST
+        if error_code(data) == ErrorCode.UNKNOWN_KV_HANDLE:
+            code = ErrorCode.UNKNOWN_KV_HANDLE
+        refusal = self._remote(code, message, stage, request_id, False)
         refusal.param = error_param(data)
         return refusal
 
@@ -634,7 +689,7 @@ class OpenAIHttpBackend:
         self._in_flight += 1
         answered = False
         try:
-            with self._mapped(stage, call.request_id):
+            with self._mapped(stage, call.request_id), _UntilDown(self, call.request_id):
                 reply = await self._send(client, call)
                 try:
                     data = await reply.read_all(self.settings.max_response_bytes)
@@ -723,7 +778,7 @@ class OpenAIHttpBackend:
         self._requests += 1
         self._in_flight += 1
         try:
-            with self._mapped("generate", call.request_id):
+            with self._mapped("generate", call.request_id), _UntilDown(self, call.request_id):
                 reply = await self._send(client, call)
             finished = False
             try:

@@ -427,30 +427,25 @@ def served_models(reply: Mapping[str, object]) -> tuple[str, ...]:
     return tuple(ids)
 
 
-def error_code(data: bytes | str) -> str | None:
-    """The ``code`` of a vLLM (or OpenAI) error body, if it gives a string one."""
-    try:
-        reply = json_object(data)
-    except ReplyError:
-        return None
-    error = reply.get("error")
-    if isinstance(error, dict) and isinstance(error.get("code"), str):
-        return str(error["code"])
-    return None
-
-
 def error_param(data: bytes | str) -> str | None:
     """The ``param`` a vLLM (or OpenAI) error body blames, if it names one."""
+    return _error_field(data, "param")
+
+
+def error_code(data: bytes | str) -> str | None:
+    """The ``code`` a vLLM (or OpenAI) error body gives, if it gives a string one."""
+    return _error_field(data, "code")
+
+
+def _error_field(data: bytes | str, key: str) -> str | None:
+    """A string field of an error body: ``{"error": {key: ...}}``, or the older flat body."""
     try:
         reply = json_object(data)
     except ReplyError:
         return None
     error = reply.get("error")
-    if isinstance(error, dict) and isinstance(error.get("param"), str):
-        return str(error["param"])
-    if isinstance(reply.get("param"), str):  # the older, flat error body
-        return str(reply["param"])
-    return None
+    found = error.get(key) if isinstance(error, dict) else reply.get(key)
+    return found if isinstance(found, str) else None
 
 
 # ---------------------------------------------------------------- server-sent events

@@ -29,7 +29,8 @@ from epd_actors import (
     StageTimeout,
 )
 from epd_actors.config import Deadlines
-from epd_actors.errors import ConnectionLost, WorkerDisconnected
+from epd_actors.errors import AttemptTimeout, ConnectionLost, WorkerDisconnected
+from epd_actors.health import HealthPolicy
 from epd_actors.protocol import (
     PROTOCOL_VERSION,
     Delta,
@@ -47,7 +48,7 @@ from epd_actors.worker.engines.sim import SimConfig
 
 from .polling import wait_until
 from .streams import Seen, consume, run_one
-from .wire_fleet import WireFleet, open_wire_router
+from .wire_fleet import SETTINGS, WireFleet, open_wire_router
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -296,6 +297,99 @@ async def test_a_stalled_worker_is_cut_off_by_the_deadline_and_sees_the_abort(
                 assert seen.ended_at - start == pytest.approx(4.0, abs=0.05)
             await assert_no_leaks(fleet, router)
             assert fleet.counter(stalled, "aborts") == 1
+
+
+INSTANT = SimConfig(
+    encode_item_s=0.0, encode_kib_s=0.0, prefill_token_s=0.0, first_token_s=0.0, output_token_s=0.0
+)
+HANGS = [
+    ("encode", {"encode": ["e0", "e1"], "prefill": ["p0"], "decode": ["d0"]}, "encode_timeout_s"),
+    ("prefill", {"prefill": ["p0", "p1"], "decode": ["d0"]}, "prefill_timeout_s"),
+    ("decode", {"prefill": ["p0"], "decode": ["d0", "d1"]}, "first_token_timeout_s"),
+    ("pd", {"pd": ["pd0", "pd1"]}, "first_token_timeout_s"),
+]
+
+
+@pytest.mark.parametrize(
+    ("stage", "layout", "deadline"), HANGS, ids=[f"hang-{h[0]}" for h in HANGS]
+)
+async def test_a_hung_worker_is_aborted_charged_and_its_job_moves_to_another(
+    autojump_clock: object, stage: str, layout: dict[str, list[str]], deadline: str
+) -> None:
+    """A stage deadline missed before any output is a worker failure, not the request's end."""
+    hung, spare = layout[stage]
+    configs = {w: INSTANT for ids in layout.values() for w in ids} | {
+        hung: replace(INSTANT, stall_s=math.inf)
+    }
+    deadlines = replace(Deadlines(request_timeout_s=100.0), **{deadline: 4.0})
+    with trio.fail_after(GUARD_S):
+        async with open_wire_router(
+            layout,
+            configs=configs,
+            deadlines=deadlines,
+            retries=RetryPolicy(max_attempts=2, backoff_start_s=0.0, jitter=0.0),
+            health=HealthPolicy(failure_threshold=1),
+        ) as (fleet, router):
+            seen = await run_one(router, with_image() if stage == "encode" else text())
+            assert isinstance(seen.final, DoneEvent), seen.final
+            assert seen.final.timings.workers[stage] == (spare,)
+            assert seen.final.timings.stages[stage] == 4.0  # the deadline, then an instant retry
+            assert fleet.counter(hung, "aborts") == 1
+            breakers = {m.worker_id: m.breaker for m in router.statistics().pools[stage]}
+            assert breakers == {hung: "open", spare: "closed"}
+            assert router.statistics().actors[stage].retries_total == 1
+            await assert_no_leaks(fleet, router)
+
+
+async def test_a_hung_prefill_on_the_last_worker_left_is_a_prefill_timeout(
+    autojump_clock: object,
+) -> None:
+    """With nowhere to move, the client sees the stage's own timeout, not the request's."""
+    configs = {"p0": replace(INSTANT, stall_s=math.inf), "d0": INSTANT}
+    deadlines = Deadlines(request_timeout_s=100.0, prefill_timeout_s=4.0)
+    with trio.fail_after(GUARD_S):
+        async with open_wire_router(
+            {"prefill": ["p0"], "decode": ["d0"]},
+            configs=configs,
+            deadlines=deadlines,
+            retries=RetryPolicy(max_attempts=3, backoff_start_s=0.0, jitter=0.0),
+        ) as (fleet, router):
+            start = trio.current_time()
+            seen = await run_one(router, text())
+            assert isinstance(seen.error, AttemptTimeout)
+            assert (seen.error.phase, seen.error.worker_id) == ("prefill", "p0")
+            assert seen.ended_at - start == 4.0
+            assert fleet.counter("p0", "aborts") == 1
+            assert fleet.counter("d0", "generate_requests") == 0
+            await assert_no_leaks(fleet, router)
+
+
+async def test_a_worker_whose_engine_goes_down_loses_its_waiting_requests_at_once(
+    autojump_clock: object,
+) -> None:
+    """The connection stays up, but a ``Pong`` says the engine is not ready: its
+    requests move to another worker then, not at the first-token deadline."""
+    layout = {"prefill": ["p0"], "decode": ["d0", "d1"]}
+    configs = {"p0": INSTANT, "d0": replace(INSTANT, stall_s=math.inf), "d1": INSTANT}
+    with trio.fail_after(GUARD_S):
+        async with open_wire_router(
+            layout,
+            configs=configs,
+            retries=RetryPolicy(max_attempts=2, backoff_start_s=0.0, jitter=0.0),
+        ) as (fleet, router):
+            seen = Seen()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consume, router, text(), seen)
+                await wait_until(lambda: fleet.counter("d0", "in_flight") == 1)
+                wedged_at = trio.current_time()
+                fleet.workers["d0"].engine.wedge()
+            assert isinstance(seen.final, DoneEvent), seen.final
+            assert seen.final.timings.workers["decode"] == ("d1",)
+            # The next heartbeat's Pong carries the news.
+            assert seen.ended_at - wedged_at <= SETTINGS.heartbeat_interval_s
+            assert fleet.counter("d0", "aborts") == 1
+            assert fleet.workers["d0"].connections == 1  # no reconnect: the link was fine
+            await assert_no_leaks(fleet, router)
 
 
 async def three_tokens_then_hang_up(stream: trio.abc.Stream) -> None:

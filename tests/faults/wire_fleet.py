@@ -22,6 +22,7 @@ import trio.testing
 from epd_actors.addresses import parse_address
 from epd_actors.backends.native import NativeBackend, NativeSettings
 from epd_actors.config import Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.health import HealthPolicy
 from epd_actors.protocol import Role
 from epd_actors.retry import RetryPolicy
 from epd_actors.router import open_router
@@ -97,12 +98,16 @@ class WireFleet:
             connect=partial(self.connect, endpoint.worker_id),
         )
 
-    def config(self, *, deadlines: Deadlines, retries: RetryPolicy) -> RouterConfig:
+    def config(
+        self, *, deadlines: Deadlines, retries: RetryPolicy, health: HealthPolicy
+    ) -> RouterConfig:
         pools = tuple(
             PoolConfig(stage, tuple(WorkerEndpoint(w, "tcp://127.0.0.1:0") for w in ids))
             for stage, ids in self.layout.items()
         )
-        return RouterConfig(pools, auth_token=TOKEN, deadlines=deadlines, retries=retries)
+        return RouterConfig(
+            pools, auth_token=TOKEN, deadlines=deadlines, retries=retries, health=health
+        )
 
     def counter(self, worker_id: str, name: str) -> int:
         return int(getattr(self.workers[worker_id].engine.statistics(), name))
@@ -120,13 +125,16 @@ async def open_wire_router(
     first: Mapping[str, list[Serve]] | None = None,
     deadlines: Deadlines | None = None,
     retries: RetryPolicy | None = None,
+    health: HealthPolicy | None = None,
 ) -> AsyncIterator[tuple[WireFleet, Router]]:
     """A router over a :class:`WireFleet`, every worker connected and ready."""
     fleet = WireFleet(layout, configs or {}, worker_overrides or {})
     for worker_id, serves in (first or {}).items():
         fleet.workers[worker_id].first.extend(serves)
     config = fleet.config(
-        deadlines=deadlines or Deadlines(), retries=retries or RetryPolicy(max_attempts=1)
+        deadlines=deadlines or Deadlines(),
+        retries=retries or RetryPolicy(max_attempts=1),
+        health=health or HealthPolicy(),
     )
     async with trio.open_nursery() as nursery:
         fleet.nursery = nursery
