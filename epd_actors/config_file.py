@@ -36,6 +36,7 @@ from .config import (
 from .errors import ConfigError
 from .frontends.http_app import HttpSettings
 from .frontends.media import MediaLimits, MediaPolicy
+from .frontends.openai_fields import UNKNOWN_FIELD_CHOICES, FieldPolicy
 from .frontends.ws import WsSettings
 from .health import HealthPolicy
 from .retry import RetryPolicy
@@ -243,6 +244,7 @@ def _server(table: _Table, env: dict[str, str]) -> ServerConfig:
             parse_host_port(value, key=table.key(key))
     drain_timeout_s = table.number("drain_timeout_s", defaults.drain_timeout_s, minimum=0.001)
     access_log = table.boolean("access_log", False)
+    fields = _field_policy(table)
     media = _media(table.table("media"))
     http = read_settings(
         table.table("http"),
@@ -251,10 +253,21 @@ def _server(table: _Table, env: dict[str, str]) -> ServerConfig:
         admin_keys=() if admin_key is None else (admin_key,),
         access_log=access_log,
         media=media,
+        fields=fields,
     )
-    ws = read_settings(table.table("ws"), WsSettings, api_keys=api_keys, media=media)
+    ws = read_settings(table.table("ws"), WsSettings, api_keys=api_keys, media=media, fields=fields)
     table.done()
     return ServerConfig(http_listen, ws_listen, drain_timeout_s, http, ws)
+
+
+def _field_policy(table: _Table) -> FieldPolicy:
+    choice = table.string("unknown_fields", "reject")
+    if choice not in UNKNOWN_FIELD_CHOICES:
+        raise ConfigError(
+            f"{table.key('unknown_fields')}: must be one of {', '.join(UNKNOWN_FIELD_CHOICES)}, "
+            f"got {choice!r}"
+        )
+    return FieldPolicy(unknown=choice)  # type: ignore[arg-type]
 
 
 def _media(table: _Table) -> MediaLimits:

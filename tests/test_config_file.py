@@ -44,6 +44,14 @@ def test_defaults_of_a_minimal_file(tmp_path: Path) -> None:
     assert config.server.http_listen == "127.0.0.1:8000"
     assert config.server.http.api_keys == ()
     assert config.server.drain_timeout_s == 30.0
+    assert config.server.http.fields.unknown == config.server.ws.fields.unknown == "reject"
+
+
+def test_unknown_fields_forward_reaches_both_front_ends(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(MINIMAL + '[server]\nunknown_fields = "forward"\n')
+    config = load_config(path, environ={})
+    assert config.server.http.fields.unknown == config.server.ws.fields.unknown == "forward"
 
 
 @pytest.mark.parametrize(
@@ -56,6 +64,7 @@ def test_defaults_of_a_minimal_file(tmp_path: Path) -> None:
         ("[server]\ndrain_timeout_s = 0\n", "server.drain_timeout_s"),
         ("[server.http]\nmax_body_bytes = 'big'\n", "server.http.max_body_bytes"),
         ("[server]\naccess_log = 1\n", "server.access_log"),
+        ("[server]\nunknown_fields = 'drop'\n", "server.unknown_fields"),
         ("[server]\nhttp_listen = 'nowhere'\n", "server.http_listen"),
         (
             "[server.media]\nallowed_url_prefixes = ['ftp://x/']\n",
@@ -131,7 +140,8 @@ def test_every_settable_key_is_documented() -> None:
     from epd_actors.retry import RetryPolicy
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
-    internal = {"api_keys", "admin_keys", "media", "policy", "access_log"}
+    # set from elsewhere: keys, media tables, and `fields` from `[server] unknown_fields`
+    internal = {"api_keys", "admin_keys", "media", "policy", "access_log", "fields"}
     assert "`api_key` /" in docs
     from epd_actors.backends.native_settings import NativeSettings
     from epd_actors.backends.openai_http_settings import OpenAIHttpSettings

@@ -356,7 +356,7 @@ async def test_unknown_path_is_404_and_wrong_method_is_405_with_allow() -> None:
     assert missing.status == 404
     assert missing.error()["type"] == "not_found_error"
     assert wrong.status == 405
-    assert wrong.headers["allow"] == "POST"
+    assert wrong.headers["allow"] == "POST, OPTIONS"
     assert still_alive.status == 200
 
 

@@ -41,7 +41,12 @@ from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
 
-    from epd_actors.backends.base import BackendStatus, DeltaStream, StageBackend
+    from epd_actors.backends.base import (
+        BackendStatus,
+        DeltaStream,
+        StageBackend,
+        WorkerRequirement,
+    )
     from epd_actors.protocol import EncodeRequest, GenerateRequest, PrefillRequest, StageResult
 
 # Latencies chosen so every stage boundary is a distinct, exact virtual time.
@@ -657,6 +662,9 @@ class LosesItsHandles:
 
     def status(self) -> BackendStatus:
         return self.inner.status()
+
+    def expect(self, requirement: WorkerRequirement) -> None:
+        self.inner.expect(requirement)
 
     async def run_stage(self, request: EncodeRequest | PrefillRequest) -> StageResult:
         result = await self.inner.run_stage(request)

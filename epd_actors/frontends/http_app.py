@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
 
 from .media import MediaLimits
+from .openai_fields import STRICT_FIELDS, FieldPolicy
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -54,6 +55,8 @@ class HttpSettings:
             response is done.
         access_log: log one INFO line per request.
         media: media limits and the URL/path allow-list.
+        fields: what to do with request fields the router does not know
+            (:class:`~.openai_fields.FieldPolicy`: refused by default).
     """
 
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -69,6 +72,7 @@ class HttpSettings:
     max_pipelined_bytes: int = 64 * KIB
     access_log: bool = False
     media: MediaLimits = field(default_factory=MediaLimits)
+    fields: FieldPolicy = STRICT_FIELDS
 
 
 class HttpApp(Protocol):

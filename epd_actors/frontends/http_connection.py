@@ -9,7 +9,9 @@ request goes through:
 1. *head*, read under ``keep_alive_timeout_s`` (idle time between requests and
    slow heads alike; 408 if part of a head had arrived, else a silent close).
    h11's ``max_incomplete_event_size`` bounds the head (431).
-2. *checks before the body*: route (404), method (405 + ``Allow``), API key
+2. *checks before the body*: route (404), method (405 + ``Allow``; ``HEAD``
+   is answered as ``GET`` without the body, ``OPTIONS`` with 204 and
+   ``Allow``), API key
    (401), content type (415), declared ``Content-Length`` (413), so a refused
    body is never read; then ``100 Continue`` if the client waits for it.
 3. *body*, read under ``body_timeout_s`` (408) while counting (413 as soon as a
@@ -76,6 +78,12 @@ ROUTES: Final = {
     "/metrics": "GET",
 }
 """Path -> the one method it accepts (``/admin/*`` is routed separately)."""
+
+
+def allowed_methods(method: str) -> str:
+    """The ``Allow`` header of a route whose method is ``method``: HEAD goes with GET."""
+    return f"{method}, HEAD, OPTIONS" if method == "GET" else f"{method}, OPTIONS"
+
 
 MAX_SESSION_KEY_CHARS: Final = 256
 
@@ -252,12 +260,16 @@ class HttpConnection:
                 return
             raise HttpError(404, f"no route for {path}", type="not_found_error", code="not_found")
         exchange.route = path
-        if method != allowed:
+        if method == "OPTIONS":
+            await self._read_body(0)
+            await self._send_bytes(204, b"", (("allow", allowed_methods(allowed)),))
+            return
+        if method != allowed and not (method == "HEAD" and allowed == "GET"):
             raise HttpError(
                 405,
-                f"{path} accepts {allowed} only",
+                f"{path} accepts {allowed_methods(allowed)} only",
                 code="method_not_allowed",
-                headers=(("allow", allowed),),
+                headers=(("allow", allowed_methods(allowed)),),
             )
         if path.startswith("/v1/") and not self._authorized(headers.get("authorization", "")):
             raise Unauthorized("missing or invalid API key")
@@ -395,7 +407,13 @@ class HttpConnection:
                 f"x-session-id must have at most {MAX_SESSION_KEY_CHARS} characters",
                 param="x-session-id",
             )
-        parsed = parse(body, request_id=self.rid, limits=self.settings.media, session_key=session)
+        parsed = parse(
+            body,
+            request_id=self.rid,
+            limits=self.settings.media,
+            session_key=session,
+            policy=self.settings.fields,
+        )
         priority = headers.get("x-epd-priority", "normal").strip().lower()
         if priority not in PRIORITIES:
             raise InvalidRequest(
@@ -531,13 +549,21 @@ class HttpConnection:
     async def _send_bytes(
         self, status: int, payload: bytes, extra: tuple[tuple[str, str], ...]
     ) -> None:
-        headers = self._headers((*extra, ("content-length", str(len(payload)))))
         self._note_status(status)
-        await self._send(
-            h11.Response(status_code=status, headers=headers, reason=_PHRASES.get(status, b"")),
-            h11.Data(data=payload),
-            h11.EndOfMessage(),
-        )
+        reason = _PHRASES.get(status, b"")
+        if status == 204:  # no Content-Length and no body (RFC 9110 8.6, 15.3.5)
+            await self._send(
+                h11.Response(status_code=status, headers=self._headers(extra), reason=reason),
+                h11.EndOfMessage(),
+            )
+            return
+        headers = self._headers((*extra, ("content-length", str(len(payload)))))
+        response = h11.Response(status_code=status, headers=headers, reason=reason)
+        if self.exchange is not None and self.exchange.method == "HEAD":
+            # The head a GET would get, its Content-Length included, and no body (RFC 9110 9.3.2).
+            await self._send(response, h11.EndOfMessage())
+            return
+        await self._send(response, h11.Data(data=payload), h11.EndOfMessage())
 
     async def _send_error(self, exc: HttpError | EpdError | _Failed) -> None:
         timings = exc.timings if isinstance(exc, _Failed) else None

@@ -41,6 +41,7 @@ from ..errors import InvalidRequest
 
 RequestKind = Literal["chat", "completion"]
 UnknownFields = Literal["reject", "forward"]
+UNKNOWN_FIELD_CHOICES: Final = ("reject", "forward")
 Check = Callable[[object, str], object]
 """Checks a field's value (its dotted name given for errors) and returns what to forward."""
 

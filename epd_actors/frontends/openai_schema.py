@@ -280,7 +280,7 @@ def _finish(
     model = _required(fields, "model", _string(MAX_KEY_CHARS))
     n = _optional(fields, "n", _int_in(1, MAX_TOKENS_CEILING)) or 1
     if n != 1:
-        raise InvalidRequest("only n=1 is supported", param="n")
+        raise InvalidRequest("n > 1 is not supported: send one request per choice", param="n")
     stream = _optional(fields, "stream", _boolean) or False
     include_usage = _stream_options(fields.get("stream_options"), stream=stream)
     user = _optional(fields, "user", _string(MAX_KEY_CHARS))

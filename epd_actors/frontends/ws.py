@@ -64,6 +64,7 @@ from ..request import DeltaEvent, DoneEvent, ErrorEvent
 from .body_checks import unknown_model
 from .http_errors import HttpError
 from .media import MediaLimits, open_allowed_fetcher, resolve_media
+from .openai_fields import STRICT_FIELDS, FieldPolicy
 from .openai_schema import parse_chat_completion, parse_completion
 from .ws_messages import (
     PONG,
@@ -130,6 +131,7 @@ class WsSettings:
         incoming_buffer: client messages trio-websocket buffers before it stops
             reading the socket (messages).
         media: media limits and the URL/path allow-list (as for HTTP).
+        fields: what to do with request fields the router does not know (as for HTTP).
     """
 
     path: str = "/v1/ws"
@@ -143,6 +145,7 @@ class WsSettings:
     outgoing_buffer: int = 16
     incoming_buffer: int = 4
     media: MediaLimits = field(default_factory=MediaLimits)
+    fields: FieldPolicy = STRICT_FIELDS
 
     def __post_init__(self) -> None:
         if not self.path.startswith("/"):
@@ -635,7 +638,13 @@ class WsConnection:
         from ..request import new_request_id
 
         parse = parse_chat_completion if message.kind == "chat" else parse_completion
-        parsed = parse(message.request, request_id=new_request_id(), limits=self._settings.media)
+        settings = self._settings
+        parsed = parse(
+            message.request,
+            request_id=new_request_id(),
+            limits=settings.media,
+            policy=settings.fields,
+        )
         models = self._settings.models
         if models and parsed.model not in models:
             raise unknown_model(parsed.model)
