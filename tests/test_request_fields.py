@@ -325,29 +325,34 @@ async def test_http_names_an_unknown_field() -> None:
     assert app.requests == []
 
 
-async def test_websocket_names_an_unknown_field() -> None:
-    async with serving() as served, open_websocket_url(served.url) as ws:
-        request = {**chat_body(), "store": True}
+async def ws_error(request: dict[str, object], settings: WsSettings | None = None) -> dict:
+    """The ``error`` a WebSocket generation of ``request`` gets (it must get one)."""
+    async with serving(settings) as served, open_websocket_url(served.url) as ws:
         await send(ws, {"type": "generate", "id": "g1", "kind": "chat", "request": request})
         message = await receive(ws)
     assert message["type"] == "error"
     error = message["error"]
     assert isinstance(error, dict)
+    return error
+
+
+async def test_websocket_names_an_unknown_field() -> None:
+    error = await ws_error({**chat_body(), "store": True})
     assert (error["param"], error["code"]) == ("store", "unknown_parameter")
 
 
 async def test_websocket_forwards_unknown_fields_when_told() -> None:
     settings = WsSettings(fields=FieldPolicy(unknown="forward"))
-    async with serving(settings) as served, open_websocket_url(served.url) as ws:
-        request = {**chat_body(), "store": True}
-        await send(ws, {"type": "generate", "id": "g1", "kind": "chat", "request": request})
-        message = await receive(ws)
+    error = await ws_error({**chat_body(), "store": True}, settings)
     # Forwarded to the simulated engine, which does not know it either: refused by name there.
-    assert message["type"] == "error"
-    error = message["error"]
-    assert isinstance(error, dict)
     assert error["param"] == "store"
     assert "not supported by this worker" in str(error["message"])
+
+
+async def test_websocket_refuses_a_refused_field_saying_why() -> None:
+    error = await ws_error({**chat_body(), "n": 2})
+    assert error["param"] == "n"
+    assert "one request per choice" in str(error["message"])
 
 
 # ---------------------------------------------------------------- HEAD and OPTIONS
@@ -412,15 +417,3 @@ def test_the_http_docs_list_every_field_with_its_support() -> None:
         assert (native_sim == "applied") == (name in SIM_OPTIONS), name
     for name, rule in REFUSED_FIELDS.items():
         assert rows[name][1] == rule.reason, name
-
-
-async def test_websocket_refuses_a_refused_field_saying_why() -> None:
-    async with serving() as served, open_websocket_url(served.url) as ws:
-        request = {**chat_body(), "n": 2}
-        await send(ws, {"type": "generate", "id": "g1", "kind": "chat", "request": request})
-        message = await receive(ws)
-    assert message["type"] == "error"
-    error = message["error"]
-    assert isinstance(error, dict)
-    assert error["param"] == "n"
-    assert "one request per choice" in str(error["message"])

@@ -93,32 +93,23 @@ def integer(low: int, high: int) -> Check:
     return check
 
 
-def boolean(value: object, param: str) -> object:
-    """``true`` or ``false``."""
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"{param} must be true or false", param=param)
-    return value
+def of_type(kinds: type | tuple[type, ...], what: str) -> Check:
+    """A JSON value of one of the Python ``kinds`` (``bool`` is not taken for a number)."""
+
+    def check(value: object, param: str) -> object:
+        if not isinstance(value, kinds):
+            raise InvalidRequest(f"{param} must be {what}", param=param)
+        return value
+
+    return check
 
 
-def string(value: object, param: str) -> object:
-    """Any JSON string."""
-    if not isinstance(value, str):
-        raise InvalidRequest(f"{param} must be a string", param=param)
-    return value
-
-
-def json_object(value: object, param: str) -> object:
-    """Any JSON object (the engine checks what is inside)."""
-    if not isinstance(value, dict):
-        raise InvalidRequest(f"{param} must be a JSON object", param=param)
-    return value
-
-
-def string_or_object(value: object, param: str) -> object:
-    """A JSON string or object (a JSON schema given either way)."""
-    if not isinstance(value, str | dict):
-        raise InvalidRequest(f"{param} must be a string or a JSON object", param=param)
-    return value
+boolean: Final = of_type(bool, "true or false")
+string: Final = of_type(str, "a string")
+json_object: Final = of_type(dict, "a JSON object")
+"""Any JSON object (the engine checks what is inside)."""
+string_or_object: Final = of_type((str, dict), "a string or a JSON object")
+"""A JSON string or object (a JSON schema given either way)."""
 
 
 def list_of(item: Check, max_items: int, *, min_items: int = 0) -> Check:
