@@ -20,6 +20,7 @@ from functools import partial
 
 import trio
 
+from . import __version__
 from ._groups import first_leaf
 from .bench.cli import add_bench_arguments, run_bench
 from .check_config import add_check_config_arguments, check_topology, run_check_config
@@ -37,16 +38,32 @@ UNLIMITED_NOFILE_TARGET = 1 << 20
 logger = logging.getLogger(__name__)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=default,
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING (default), ERROR or CRITICAL, in any case; "
+        "before or after the command",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR"
-    )
+    # After the command it overrides what came before it; absent, it leaves that alone.
+    _add_log_level(common, argparse.SUPPRESS)
     parser = argparse.ArgumentParser(
         prog="python -m epd_actors",
         description="A Trio-native router for Encode/Prefill/Decode disaggregated LLM serving. "
         "Without a command: a local deployment on simulated workers.",
     )
+    parser.add_argument("--version", action="version", version=f"epd_actors {__version__}")
+    _add_log_level(parser, "WARNING")
     commands = parser.add_subparsers(dest="command")
     local = commands.add_parser(
         "local", parents=[common], help="(default) router + simulated workers on localhost"
@@ -72,9 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns the exit status."""
     arguments = sys.argv[1:] if argv is None else list(argv)
-    if not arguments or (arguments[0] not in COMMANDS and arguments[0] not in ("-h", "--help")):
-        arguments = ["local", *arguments]
-    args = build_parser().parse_args(arguments)
+    args = build_parser().parse_args(_with_command(arguments))
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -88,6 +103,26 @@ def main(argv: list[str] | None = None) -> int:
         "bench": run_bench,
     }
     return runners[args.command](args)
+
+
+def _with_command(arguments: list[str]) -> list[str]:
+    """``arguments`` with ``local`` put in where no command is named.
+
+    Options before the command (``--log-level LEVEL``, ``--version``, ``-h``) stay in front.
+    """
+    index = 0
+    while index < len(arguments):
+        if arguments[index] in ("-h", "--help", "--version"):
+            return arguments
+        if arguments[index] == "--log-level":
+            index += 2
+        elif arguments[index].startswith("--log-level="):
+            index += 1
+        else:
+            break
+    if index < len(arguments) and arguments[index] in COMMANDS:
+        return arguments
+    return [*arguments[:index], "local", *arguments[index:]]
 
 
 def raise_open_file_limit() -> tuple[int, int]:
