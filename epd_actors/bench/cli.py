@@ -185,7 +185,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     mode = f"rate {load.rate:g}/s" if load.rate is not None else f"concurrency {load.concurrency}"
     amount = f"{load.requests} requests" if load.requests else f"{load.duration_s:g} s"
-    title = f"bench {args.url}{workload.path}: {mode}, {amount}, max_tokens {workload.max_tokens}"
+    title = f"bench {target.url}: {mode}, {amount}, max_tokens {workload.max_tokens}"
     result = trio.run(
         lambda: run_load(target, workload, load, progress=progress_stream(args.progress))
     )

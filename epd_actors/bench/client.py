@@ -56,6 +56,11 @@ class Target:
     api_key: str = ""
     extra_headers: tuple[tuple[str, str], ...] = field(default=())
 
+    @property
+    def url(self) -> str:
+        """The URL requests go to, as they are sent (for titles and reports)."""
+        return f"http://{self.host}:{self.port}{self.path}"
+
     @classmethod
     def from_url(cls, url: str, path: str, *, api_key: str = "") -> Target:
         """``http://HOST:PORT[/prefix]``; a ``/v1`` suffix on the URL is accepted."""
