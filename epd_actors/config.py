@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from .addresses import parse_address
@@ -17,7 +18,10 @@ from .errors import ConfigError
 from .health import HealthPolicy
 from .limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS
 from .retry import RetryPolicy
-from .routing import POLICY_NAMES
+from .routing import build_policy
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 BACKEND_KINDS = ("native", "openai_http")
 """``native``: an ``epd_actors worker`` (``tcp://HOST:PORT`` or ``unix:PATH``);
@@ -54,16 +58,19 @@ class PoolConfig:
     Attributes:
         stage: ``encode``, ``prefill``, ``decode`` or ``pd`` (or a registered stage).
         workers: its workers (may be empty and filled at run time).
-        policy: a routing policy name (see ``routing.POLICY_NAMES``); default
+        policy: a routing policy name (see ``routing.policy_names()``); default
             per stage: consistent hashing on the media hash for encode,
             least-in-flight elsewhere.
         max_in_flight_per_worker: jobs one worker may hold from this router.
+        policy_options: the policy's options by name (each policy lists its
+            own; docs/routing.md), e.g. ``{"load_factor": 1.5}``.
     """
 
     stage: str
     workers: tuple[WorkerEndpoint, ...] = ()
     policy: str | None = None
     max_in_flight_per_worker: int = 256
+    policy_options: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def policy_name(self) -> str:
@@ -220,11 +227,10 @@ def validate(config: RouterConfig) -> None:
         if pool.stage in seen_stages:
             raise ConfigError(f"{key}: configured twice")
         seen_stages.add(pool.stage)
-        if pool.policy_name not in POLICY_NAMES:
-            raise ConfigError(
-                f"{key}.policy: unknown policy {pool.policy_name!r} "
-                f"(choose from {', '.join(POLICY_NAMES)})"
-            )
+        try:
+            build_policy(pool.policy_name, pool.policy_options)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}.policy: {exc}") from None
         if pool.max_in_flight_per_worker < 1:
             raise ConfigError(f"{key}.max_in_flight_per_worker must be >= 1")
         for index, worker in enumerate(pool.workers):

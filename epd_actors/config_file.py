@@ -134,6 +134,13 @@ class _Table:
                 raise ConfigError(f"{self.key(name)}[{index}]: expected a string")
         return tuple(value)
 
+    def mapping(self, name: str) -> dict[str, object]:
+        """A sub-table taken whole, as plain values (its reader checks the keys)."""
+        value = self._data.pop(name, {})
+        if not isinstance(value, dict):
+            raise ConfigError(f"{self.key(name)}: expected a table")
+        return dict(value)
+
     def table(self, name: str) -> _Table:
         return _Table(self._data.pop(name, {}), self.key(name))
 
@@ -337,6 +344,7 @@ def _pool(stage: str, table: _Table) -> PoolConfig:
         workers=tuple(workers),
         policy=table.string("policy", None),
         max_in_flight_per_worker=table.integer("max_in_flight_per_worker", 256, minimum=1),
+        policy_options=table.mapping("policy_options"),
     )
     table.done()
     return config

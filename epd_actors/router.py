@@ -35,7 +35,7 @@ from .config import RouterConfig, WorkerEndpoint
 from .errors import ConfigError, NoHealthyWorker
 from .metrics import RouterMetrics
 from .pool import MemberStatistics, WorkerPool
-from .routing import make_policy
+from .routing import build_policy
 from .supervisor import Supervisor, SupervisorStatistics
 
 if TYPE_CHECKING:
@@ -223,7 +223,7 @@ def build_pools(config: RouterConfig) -> dict[str, WorkerPool]:
     return {
         pool.stage: WorkerPool(
             pool.stage,
-            make_policy(pool.policy_name),
+            build_policy(pool.policy_name, pool.policy_options),
             max_in_flight_per_worker=pool.max_in_flight_per_worker,
             health=config.health,
             requirement=worker_requirement(pool.stage, config.model),

@@ -47,6 +47,22 @@ def test_defaults_of_a_minimal_file(tmp_path: Path) -> None:
     assert config.server.http.fields.unknown == config.server.ws.fields.unknown == "reject"
 
 
+def test_a_pool_takes_its_policy_s_options(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        MINIMAL.replace("[pools.pd]", '[pools.pd]\npolicy = "cache_aware"')
+        + "[pools.pd.policy_options]\ncache_threshold = 0.3\nbalance_abs_threshold = 64\n"
+    )
+    (pool,) = load_config(path, environ={}).router.pools
+    assert (pool.policy, dict(pool.policy_options)) == (
+        "cache_aware",
+        {"cache_threshold": 0.3, "balance_abs_threshold": 64},
+    )
+    path.write_text(MINIMAL + "[pools.pd.policy_options]\nthreshold = 1\n")
+    with pytest.raises(ConfigError, match=r"pools\.pd\.policy: .*no option threshold"):
+        load_config(path, environ={})
+
+
 def test_unknown_fields_forward_reaches_both_front_ends(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text(MINIMAL + '[server]\nunknown_fields = "forward"\n')

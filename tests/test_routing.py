@@ -17,6 +17,7 @@ import pytest
 from epd_actors.errors import ConfigError
 from epd_actors.routing import (
     POLICY_NAMES,
+    CacheAware,
     Candidate,
     ConsistentHash,
     LeastInFlight,
@@ -493,6 +494,7 @@ POLICY_CLASSES: dict[str, type] = {
     "least_in_flight": LeastInFlight,
     "power_of_two": PowerOfTwoChoices,
     "consistent_hash": ConsistentHash,
+    "cache_aware": CacheAware,
 }
 
 
@@ -514,7 +516,8 @@ def test_policy_names_are_exactly_the_factory_names() -> None:
         pytest.param(
             "round-robin",
             {},
-            "choose one of: round_robin, random, least_in_flight, power_of_two, consistent_hash",
+            "choose one of: round_robin, random, least_in_flight, power_of_two, consistent_hash, "
+            "cache_aware",
             id="unknown-name-lists-choices",
         ),
         pytest.param(
@@ -614,6 +617,7 @@ def test_consistent_hash_config_error_from_constructor() -> None:
         ConsistentHash(load_factor=0.9)
 
 
-def test_only_consistent_hash_reads_the_affinity() -> None:
+def test_only_the_affinity_policies_read_the_affinity_and_the_prompt() -> None:
     readers = {name for name in POLICY_NAMES if make_policy(name).uses_affinity}
-    assert readers == {"consistent_hash"}
+    assert readers == {"consistent_hash", "cache_aware"}
+    assert {name for name in POLICY_NAMES if make_policy(name).uses_prompt} == {"cache_aware"}

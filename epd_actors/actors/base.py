@@ -163,13 +163,16 @@ class BaseActor:
     def route_key(self, job: Job) -> RouteKey:
         """The routing key of a job (default: the session key, else the prompt prefix).
 
-        The prompt digest is computed only for a pool whose policy reads it.
+        The prompt digest, and the prompt as the model sees it, are computed
+        only for a pool whose policy reads them.
         """
-        if not self.pool.policy.uses_affinity:
+        policy = self.pool.policy
+        if not policy.uses_affinity and not policy.uses_prompt:
             return RouteKey(job.request_id)
         request = job.context.request
         affinity = request.session_key or _prompt_affinity(request)
-        return RouteKey(job.request_id, affinity)
+        prompt = routed_prompt(request) if policy.uses_prompt else None
+        return RouteKey(job.request_id, affinity, prompt)
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
         """Do the job on ``backend`` and send its events on ``job.reply``.
@@ -510,6 +513,31 @@ class BaseActor:
             await job.reply.send(failure)
         except trio.BrokenResourceError:
             logger.debug("%s job of %s: requester left", self.stage, job.request_id)
+
+
+def routed_prompt(request: GenerationRequest) -> str | tuple[int, ...] | None:
+    """The prompt in the order the model sees it, for prefix-matching policies.
+
+    Token ids as they are; text as it is; a chat as its turns, each role and
+    text part set off by a separator, and each media item by its content hash,
+    so two conversations match exactly as far as their turns and images agree.
+    The model's chat template is not applied (the router does not have it):
+    the blocks differ from the engine's, the prefixes they share do not.
+    """
+    prompt = request.prompt
+    if prompt.token_ids is not None:
+        return prompt.token_ids
+    if prompt.text is not None:
+        return prompt.text
+    pieces: list[str] = []
+    for message in prompt.messages or ():
+        pieces.append(f"\x1e{message.role}\x1f")
+        for part in message.parts:
+            if isinstance(part, str):
+                pieces.append(part)
+            elif 0 <= part < len(request.media):
+                pieces.append(f"\x1d{request.media[part].content_hash}\x1d")
+    return "".join(pieces) or None
 
 
 def _prompt_affinity(request: GenerationRequest) -> str | None:

@@ -1,0 +1,153 @@
+"""The policies that look at load only: round robin, random, least in flight, power of two."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+from .base import (
+    StatelessPolicy,
+    load_after_one,
+    next_after,
+    register_policy,
+    weighted_index,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from .base import Candidate, Policy, RouteKey
+
+
+@register_policy
+class RoundRobin(StatelessPolicy):
+    """Strict rotation over the candidates in worker-id order.
+
+    The cursor is the id of the last worker chosen, and it persists across
+    calls, so a stream of calls (the items of one fan-out included) spreads
+    exactly evenly and never restarts at the first worker per request.  Load
+    and weight are ignored; use :class:`LeastInFlight` when calls differ in cost.
+    """
+
+    __slots__ = ("_last",)
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._last: str | None = None
+
+    @classmethod
+    def build(cls, rng: random.Random | None, options: Mapping[str, object]) -> Policy:
+        """A new instance (no options, no randomness)."""
+        return cls()
+
+    def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
+        """Return the worker after the previous choice in id order (see class doc)."""
+        if not candidates:
+            return None
+        chosen = next_after(candidates, self._last)
+        self._last = chosen.worker_id
+        return chosen
+
+    def __repr__(self) -> str:
+        return f"RoundRobin(last={self._last!r})"
+
+
+@register_policy
+class RandomChoice(StatelessPolicy):
+    """A random candidate, with probability proportional to its weight.
+
+    Args:
+        rng: the source of randomness; a fresh, OS-seeded one by default.
+    """
+
+    __slots__ = ("_rng",)
+
+    name = "random"
+
+    def __init__(self, *, rng: random.Random | None = None) -> None:
+        self._rng = rng if rng is not None else random.Random()
+
+    @classmethod
+    def build(cls, rng: random.Random | None, options: Mapping[str, object]) -> Policy:
+        """A new instance (no options)."""
+        return cls(rng=rng)
+
+    def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
+        """Return a weighted random candidate (see class doc)."""
+        if not candidates:
+            return None
+        return candidates[weighted_index(self._rng, candidates)]
+
+    def __repr__(self) -> str:
+        return "RandomChoice()"
+
+
+@register_policy
+class LeastInFlight(StatelessPolicy):
+    """The candidate with the lowest load ``(in_flight + 1) / weight``.
+
+    Ties rotate in worker-id order (the cursor of :class:`RoundRobin`), so idle
+    workers share short calls instead of the first one taking them all.
+    """
+
+    __slots__ = ("_last",)
+
+    name = "least_in_flight"
+
+    def __init__(self) -> None:
+        self._last: str | None = None
+
+    @classmethod
+    def build(cls, rng: random.Random | None, options: Mapping[str, object]) -> Policy:
+        """A new instance (no options, no randomness)."""
+        return cls()
+
+    def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
+        """Return the least-loaded candidate (see class doc)."""
+        if not candidates:
+            return None
+        best = min(load_after_one(c) for c in candidates)
+        chosen = next_after((c for c in candidates if load_after_one(c) == best), self._last)
+        self._last = chosen.worker_id
+        return chosen
+
+    def __repr__(self) -> str:
+        return f"LeastInFlight(last={self._last!r})"
+
+
+@register_policy
+class PowerOfTwoChoices(StatelessPolicy):
+    """Sample two distinct candidates (weighted), keep the one with lower load.
+
+    Nearly as balanced as :class:`LeastInFlight` while looking at two workers
+    only, and it keeps several routers that see the same stale load from
+    piling onto the same "least loaded" worker.  A tie goes to the first sample.
+
+    Args:
+        rng: the source of randomness; a fresh, OS-seeded one by default.
+    """
+
+    __slots__ = ("_rng",)
+
+    name = "power_of_two"
+
+    def __init__(self, *, rng: random.Random | None = None) -> None:
+        self._rng = rng if rng is not None else random.Random()
+
+    @classmethod
+    def build(cls, rng: random.Random | None, options: Mapping[str, object]) -> Policy:
+        """A new instance (no options)."""
+        return cls(rng=rng)
+
+    def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
+        """Return the lighter of two weighted random samples (see class doc)."""
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        first = weighted_index(self._rng, candidates)
+        second = weighted_index(self._rng, candidates, skip=first)
+        a, b = candidates[first], candidates[second]
+        return b if load_after_one(b) < load_after_one(a) else a
+
+    def __repr__(self) -> str:
+        return "PowerOfTwoChoices()"
