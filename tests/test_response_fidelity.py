@@ -23,7 +23,9 @@ from epd_actors.backends.openai_http import OpenAIHttpSettings
 from epd_actors.backends.openai_http_contract import DeltaParser, SseDecoder
 from epd_actors.config import PoolConfig, RouterConfig, WorkerEndpoint
 from epd_actors.frontends.http import RouterHttpApp
+from epd_actors.frontends.ws_messages import delta_messages
 from epd_actors.protocol import Role, TokenLogprob
+from epd_actors.request import DeltaEvent
 from epd_actors.router import DefaultBackendFactory, open_router
 from epd_actors.worker.engines.sim import SimEngine
 from epd_actors.worker.engines.sim_store import create_sim_stores
@@ -399,3 +401,39 @@ async def test_a_non_streamed_answer_has_the_reasoning_of_the_stream() -> None:
         "content": "Paris",
         "reasoning_content": "The user wants a capital.",
     }
+
+
+# ---------------------------------------------------------------- WebSocket delta messages
+
+
+def test_a_websocket_delta_carries_tokens_alternatives_and_fields_merged() -> None:
+    top = (TokenLogprob(" a", -0.5), TokenLogprob(" b", -1.0))
+    pieces = [
+        DeltaEvent("", (), fields={"tool_calls": [{"index": 0, "function": {"name": "f"}}]}),
+        DeltaEvent(" a", (5,), (-0.5,), tokens=(" a",), top_logprobs=(top,)),
+        DeltaEvent("", (), fields={"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}),
+    ]
+    [message] = delta_messages("q1", pieces, logprobs=True)
+    assert json.loads(message) == {
+        "type": "delta",
+        "id": "q1",
+        "text": " a",
+        "token_ids": [5],
+        "logprobs": [-0.5],
+        "tokens": [" a"],
+        "top_logprobs": [[{"token": " a", "logprob": -0.5}, {"token": " b", "logprob": -1.0}]],
+        "fields": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": "{}"}}]},
+    }
+
+
+def test_websocket_deltas_whose_arrays_differ_are_not_merged() -> None:
+    pieces = [
+        DeltaEvent(" a", (5,), (-0.5,), tokens=(" a",)),
+        DeltaEvent(" b", (6,), (-0.25,)),
+        DeltaEvent(" c", (7,), (-0.125,)),
+    ]
+    messages = [json.loads(m) for m in delta_messages("q1", pieces, logprobs=True)]
+    assert [(m["text"], m["logprobs"], m.get("tokens")) for m in messages] == [
+        (" a", [-0.5], [" a"]),
+        (" b c", [-0.25, -0.125], None),
+    ]
