@@ -50,6 +50,13 @@ if TYPE_CHECKING:
     from .request import DirectDeltas
 
 
+def delta_event(delta: Delta) -> DeltaEvent:
+    """The caller's event for ``delta``: everything of it but the terminal parts."""
+    return DeltaEvent(
+        delta.text, delta.token_ids, delta.logprobs, delta.tokens, delta.top_logprobs, delta.fields
+    )
+
+
 class OutputProgress(Protocol):
     """The part of a request's record the relay keeps up to date."""
 
@@ -132,8 +139,8 @@ class OutputRelay:
         """
         if self.closed:
             return True
-        if delta.token_ids or delta.text:
-            event = DeltaEvent(delta.text, delta.token_ids, delta.logprobs)
+        if delta.token_ids or delta.text or delta.fields:
+            event = delta_event(delta)
             direct = self._direct
             if direct is None or not direct(event):
                 try:
@@ -160,10 +167,10 @@ class OutputRelay:
         if self.closed:
             await trio.lowlevel.checkpoint()
             return
-        if delta.token_ids or delta.text:
+        if delta.token_ids or delta.text or delta.fields:
             self.waiting_for_caller = True
             try:
-                await self._events.send(DeltaEvent(delta.text, delta.token_ids, delta.logprobs))
+                await self._events.send(delta_event(delta))
             except trio.BrokenResourceError:
                 self.caller_left = True
                 raise

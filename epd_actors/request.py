@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from .errors import InvalidRequest
-from .protocol import MediaItem, Prompt, SamplingParams, Usage
+from .protocol import MediaItem, Prompt, SamplingParams, TokenLogprob, Usage
 
 if TYPE_CHECKING:
     from .errors import EpdError
@@ -121,11 +121,25 @@ class RequestTimings:
 
 @dataclass(frozen=True, slots=True)
 class DeltaEvent:
-    """New output: text and its token ids (and logprobs when asked for)."""
+    """New output: text and its token ids, as the engine's ``Delta`` gave them.
+
+    Attributes:
+        text: the new text.
+        token_ids: the sampled token ids.
+        logprobs: each sampled token's log-probability, when asked for.
+        tokens: each sampled token's text, when the engine gave it.
+        top_logprobs: each token's alternatives (sampled first where the
+            engine puts it first), when asked for and the engine gave them.
+        fields: the other keys of an OpenAI chat delta (``tool_calls``
+            pieces, ``reasoning_content``...), as the engine produced them.
+    """
 
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None = None
+    tokens: tuple[str, ...] | None = None
+    top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None
+    fields: dict[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from epd_actors.output_relay import OutputRelay
-from epd_actors.protocol import Delta
+from epd_actors.protocol import Delta, TokenLogprob
 from epd_actors.request import DeltaEvent, GenerationEvent
 
 INTER_TOKEN_S = 2.0
@@ -107,3 +107,17 @@ async def test_a_closed_relay_drops_late_deltas() -> None:
         events.receive_nowait()
     assert progress.completion_tokens == 0
     assert relay.last_delta_at == -math.inf
+
+
+async def test_what_the_engine_gave_besides_text_reaches_the_caller() -> None:
+    relay, _, events = relay_with(4)
+    top = ((TokenLogprob(" a", -0.5), TokenLogprob(" b", -1.0)),)
+    call = {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}
+    assert relay.offer(Delta("r", (5,), " a", (-0.5,), tokens=(" a",), top_logprobs=top))
+    assert relay.offer(Delta("r", fields=call))  # no text, no token: still output
+    await relay.put(Delta("r", fields={"reasoning_content": "hm"}))
+    assert [events.receive_nowait() for _ in range(3)] == [
+        DeltaEvent(" a", (5,), (-0.5,), tokens=(" a",), top_logprobs=top),
+        DeltaEvent("", (), fields=call),
+        DeltaEvent("", (), fields={"reasoning_content": "hm"}),
+    ]

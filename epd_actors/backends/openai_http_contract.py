@@ -41,10 +41,10 @@ import base64
 import json
 import json.scanner
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import InvalidRequest
-from ..protocol import Delta, StageResult, Usage
+from ..protocol import Delta, StageResult, TokenLogprob, Usage, merge_delta_fields
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -542,6 +542,16 @@ class DeltaParser:
     terminal delta is released by the usage chunk, ``[DONE]`` or
     :meth:`end_of_stream`.
 
+    What a chunk carries besides text and token ids: its ``logprobs`` entries
+    (each token's text and logprob, and its alternatives), and the keys of a
+    chat ``delta`` other than ``role`` and ``content`` (``tool_calls``,
+    ``reasoning_content``, ``reasoning``) as ``fields``.  A per-token array
+    is kept only while every chunk with token ids had it, one entry per id;
+    ``fields`` of the chunks of one read merge as a client merges them
+    (:func:`~epd_actors.protocol.merge_delta_fields`).  A chunk with only
+    content and token ids -- nearly every chunk -- pays two dict look-ups
+    for all of this.
+
     Args:
         request_id: the request the deltas belong to.
         chat: chat chunks (``delta.content``) rather than completion chunks (``text``).
@@ -550,11 +560,13 @@ class DeltaParser:
     __slots__ = (
         "_chat",
         "_done",
+        "_fields",
         "_finish",
         "_logprobs",
-        "_logprobs_ok",
         "_text",
         "_token_ids",
+        "_tokens",
+        "_tops",
         "_usage",
         "request_id",
         "terminal_sent",
@@ -565,8 +577,11 @@ class DeltaParser:
         self._chat = chat
         self._text: list[str] = []
         self._token_ids: list[int] = []
-        self._logprobs: list[float] = []
-        self._logprobs_ok = True
+        # Per-token arrays: None once a chunk with token ids came without them.
+        self._logprobs: list[float] | None = []
+        self._tokens: list[str] | None = []
+        self._tops: list[tuple[TokenLogprob, ...]] | None = []
+        self._fields: dict[str, object] | None = None
         self._finish: str | None = None
         self._usage: Usage | None = None
         self._done = False
@@ -605,30 +620,49 @@ class DeltaParser:
     def _choice(self, choice: JsonObject) -> None:
         if self._chat:
             delta = choice.get("delta")
-            text = delta.get("content") if isinstance(delta, dict) else None
+            if isinstance(delta, dict):
+                text = delta.get("content")
+                if len(delta) > ("content" in delta) + ("role" in delta):
+                    self._delta_fields(delta)
+            else:
+                text = None
         else:
             text = choice.get("text")
         if isinstance(text, str) and text:
             self._text.append(text)
         ids = choice.get("token_ids")
         new_ids = [t for t in ids if type(t) is int] if isinstance(ids, list) else []
-        self._token_ids += new_ids
-        raw = choice.get("logprobs")
-        logprobs = None if raw is None else _chunk_logprobs(raw, chat=self._chat)
-        if new_ids and logprobs is not None and len(logprobs) == len(new_ids):
-            self._logprobs += logprobs
-        elif new_ids:
-            self._logprobs_ok = False
+        if new_ids:
+            self._token_ids += new_ids
+            self._per_token(choice.get("logprobs"), len(new_ids))
         finish = choice.get("finish_reason")
         if isinstance(finish, str):
             self._finish = finish
+
+    def _delta_fields(self, delta: JsonObject) -> None:
+        """Keep a chat delta's keys other than ``role`` and ``content``."""
+        extra = {key: value for key, value in delta.items() if key not in _OWN_DELTA_KEYS}
+        if extra:
+            self._fields = merge_delta_fields(self._fields or {}, extra)
+
+    def _per_token(self, raw: object, count: int) -> None:
+        """Add the ``logprobs`` entries of a chunk with ``count`` new token ids."""
+        entries = None if raw is None else _chunk_entries(raw, chat=self._chat)
+        if entries is None or len(entries[0]) != count:
+            self._logprobs = self._tokens = self._tops = None
+            return
+        logprobs, tokens, tops = entries
+        if self._logprobs is not None:
+            self._logprobs += logprobs
+        self._tokens = None if self._tokens is None or tokens is None else self._tokens + tokens
+        self._tops = None if self._tops is None or tops is None else self._tops + tops
 
     def take(self) -> Delta | None:
         """The pending delta, if there is anything to hand on."""
         if self.terminal_sent:
             return None
         terminal = self._finish is not None and (self._usage is not None or self._done)
-        if not terminal and not self._text and not self._token_ids:
+        if not terminal and not self._text and not self._token_ids and not self._fields:
             return None
         return self._emit(terminal)
 
@@ -639,33 +673,108 @@ class DeltaParser:
         return self._emit(True)
 
     def _emit(self, terminal: bool) -> Delta:
-        has_logprobs = self._logprobs_ok and bool(self._logprobs)
+        with_ids = bool(self._token_ids)
         delta = Delta(
             self.request_id,
             token_ids=tuple(self._token_ids),
             text="".join(self._text),
-            logprobs=tuple(self._logprobs) if has_logprobs else None,
+            logprobs=_per_token_tuple(self._logprobs, with_ids),
             finish_reason=self._finish if terminal else None,
             usage=self._usage if terminal else None,
+            tokens=_per_token_tuple(self._tokens, with_ids),
+            top_logprobs=_per_token_tuple(self._tops, with_ids),
+            fields=self._fields,
         )
-        self._text, self._token_ids, self._logprobs, self._logprobs_ok = [], [], [], True
+        self._text, self._token_ids, self._fields = [], [], None
+        self._logprobs, self._tokens, self._tops = [], [], []
         self.terminal_sent = terminal
         return delta
 
 
-def _chunk_logprobs(value: object, *, chat: bool) -> list[float] | None:
+_OWN_DELTA_KEYS: Final = frozenset({"role", "content"})
+"""Chat-delta keys the parser reads itself; every other key is a ``field``."""
+
+_ChunkEntries = tuple[list[float], list[str] | None, list[tuple[TokenLogprob, ...]] | None]
+
+
+def _per_token_tuple(values: list[Any] | None, with_ids: bool) -> tuple[Any, ...] | None:
+    return tuple(values) if values is not None and with_ids else None
+
+
+def _chunk_entries(value: object, *, chat: bool) -> _ChunkEntries | None:
+    """A chunk's ``logprobs``: (logprobs, tokens, alternatives); None if unreadable.
+
+    Tokens or alternatives are None when an entry lacks them (or has the
+    wrong types); the logprobs must all be numbers.
+    """
     if not isinstance(value, dict):
         return None
-    if chat:
-        content = value.get("content")
-        if not isinstance(content, list):
-            return None
-        raw = [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
-    else:
-        token_logprobs = value.get("token_logprobs")
-        if not isinstance(token_logprobs, list):
-            return None
-        raw = token_logprobs
-    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in raw):
+    return _chat_entries(value) if chat else _completion_entries(value)
+
+
+def _chat_entries(value: JsonObject) -> _ChunkEntries | None:
+    """vLLM's chat shape: ``content: [{token, logprob, bytes, top_logprobs: [...]}]``."""
+    content = value.get("content")
+    if not isinstance(content, list):
         return None
-    return [float(x) for x in raw if isinstance(x, int | float)]
+    logprobs: list[float] = []
+    tokens: list[str] = []
+    tops: list[tuple[TokenLogprob, ...]] = []
+    for entry in content:
+        if not isinstance(entry, dict) or not _is_number(entry.get("logprob")):
+            return None
+        logprobs.append(float(entry["logprob"]))
+        token = entry.get("token")
+        if isinstance(token, str):
+            tokens.append(token)
+        top = _chat_alternatives(entry.get("top_logprobs"))
+        if top is not None:
+            tops.append(top)
+    count = len(logprobs)
+    return logprobs, tokens if len(tokens) == count else None, tops if len(tops) == count else None
+
+
+def _chat_alternatives(value: object) -> tuple[TokenLogprob, ...] | None:
+    if not isinstance(value, list):
+        return None
+    alternatives: list[TokenLogprob] = []
+    for alt in value:
+        if not isinstance(alt, dict):
+            return None
+        token, logprob = alt.get("token"), alt.get("logprob")
+        if not isinstance(token, str) or not _is_number(logprob):
+            return None
+        alternatives.append(TokenLogprob(token, float(logprob)))  # type: ignore[arg-type]
+    return tuple(alternatives)
+
+
+def _completion_entries(value: JsonObject) -> _ChunkEntries | None:
+    """vLLM's completion shape: ``tokens``, ``token_logprobs``, ``top_logprobs: [{token: lp}]``."""
+    raw = value.get("token_logprobs")
+    if not isinstance(raw, list) or not all(_is_number(x) for x in raw):
+        return None
+    logprobs = [float(x) for x in raw]
+    tokens = value.get("tokens")
+    known = (
+        list(tokens)
+        if isinstance(tokens, list)
+        and len(tokens) == len(logprobs)
+        and all(isinstance(t, str) for t in tokens)
+        else None
+    )
+    return logprobs, known, _completion_alternatives(value.get("top_logprobs"), len(logprobs))
+
+
+def _completion_alternatives(value: object, count: int) -> list[tuple[TokenLogprob, ...]] | None:
+    if not isinstance(value, list) or len(value) != count:
+        return None
+    tops: list[tuple[TokenLogprob, ...]] = []
+    for entry in value:
+        if not isinstance(entry, dict) or not all(_is_number(lp) for lp in entry.values()):
+            return None
+        tops.append(tuple(TokenLogprob(str(t), float(lp)) for t, lp in entry.items()))
+    return tops
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

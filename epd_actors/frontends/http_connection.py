@@ -58,7 +58,7 @@ from .body_checks import reject_lone_surrogates, unknown_model
 from .http_body import body_framer
 from .http_errors import HttpError, error_response
 from .media import resolve_media
-from .openai_format import SseFormatter, error_body, logprobs_body, response_body, unix_time
+from .openai_format import AnswerBuilder, SseFormatter, error_body, unix_time
 from .openai_schema import ParsedRequest, parse_chat_completion, parse_completion
 from .sse import next_batch, render_batch
 from .sse_direct import DirectSseWriter
@@ -453,32 +453,24 @@ class HttpConnection:
             raise failure
 
     async def _unary(self, parsed: ParsedRequest) -> None:
-        texts: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[float] = []
+        answer = AnswerBuilder(parsed.kind, logprobs=parsed.logprobs)
         final: GenerationEvent | None = None
         async with self.app.generate(parsed.request) as events:
             async for final in events:
                 if isinstance(final, DeltaEvent):
-                    texts.append(final.text)
-                    if parsed.logprobs and final.logprobs is not None:
-                        token_ids.extend(final.token_ids)
-                        logprobs.extend(final.logprobs)
+                    answer.add(final)
                 elif isinstance(final, DoneEvent | ErrorEvent):
                     break
         if isinstance(final, ErrorEvent):
             raise _Failed(final)
         if not isinstance(final, DoneEvent):
             raise ActorCrashed("the request ended without a final event")
-        body = response_body(
-            parsed.kind,
+        body = answer.body(
             request_id=parsed.request_id,
             model=parsed.model,
             created=unix_time(),
-            text="".join(texts),
             finish_reason=final.finish_reason,
             usage=final.usage,
-            logprobs=logprobs_body(parsed.kind, token_ids, logprobs) if parsed.logprobs else None,
         )
         await self._send_json(200, body, (("x-epd-timings", final.timings.header_value()),))
 

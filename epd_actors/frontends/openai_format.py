@@ -11,10 +11,17 @@ request, the JSON *around* the delta text -- ``data: {"id":...,"choices":[{
 plus the blank line -- and each delta is ``prefix + json.dumps(text) + suffix``.
 The result is byte-for-byte the compact JSON of the equivalent dict.
 
-Log-probabilities take the slower dict path (they are rare and per-token
-structured).  The router's events carry the sampled token's id and logprob but
-neither its text nor alternatives, so tokens are reported as ``token_id:<id>``
-(vLLM's ``return_tokens_as_token_ids`` form) and ``top_logprobs`` lists are empty.
+Log-probabilities and chat-delta ``fields`` (``tool_calls`` pieces,
+``reasoning_content``) take the slower dict path: they are rare and
+structured.  Each logprob entry is rendered in vLLM's shape: the token's text
+and its UTF-8 ``bytes`` when the engine gave the text (``tokens``), else
+``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids`` form) and no bytes;
+the alternatives (``top_logprobs``) as the engine listed them, as a list of
+``{token, logprob, bytes}`` (chat) or a ``{token: logprob}`` map per token
+(completions).  A non-streamed answer (:class:`AnswerBuilder`) is what a
+client accumulating the stream would have: the text, every logprob entry, and
+the chat ``fields`` merged as :func:`~epd_actors.protocol.merge_delta_fields`
+merges them (``tool_calls`` pieces per ``index``).
 """
 
 from __future__ import annotations
@@ -23,16 +30,22 @@ import datetime
 import json
 from typing import TYPE_CHECKING, Final, Literal
 
+from ..protocol import merge_delta_fields
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ..protocol import Usage
+    from ..protocol import TokenLogprob, Usage
+    from ..request import DeltaEvent
 
 Kind = Literal["chat", "completion"]
 
 
 DONE_EVENT: Final = "data: [DONE]\n\n"
 """The terminator OpenAI clients wait for after a successful stream."""
+
+MIN_LOGPROB: Final = -9999.0
+"""The lowest logprob written (vLLM's floor: JSON has no ``-Infinity``)."""
 
 
 def _dumps(value: object) -> str:
@@ -71,20 +84,109 @@ def error_body(
 
 
 def logprobs_body(
-    kind: Kind, token_ids: Sequence[int], logprobs: Sequence[float] | None
+    kind: Kind,
+    token_ids: Sequence[int],
+    logprobs: Sequence[float] | None,
+    tokens: Sequence[str | None] | None = None,
+    top_logprobs: Sequence[Sequence[TokenLogprob] | None] | None = None,
 ) -> dict[str, object] | None:
-    """The ``logprobs`` object of a choice (None when there are none)."""
+    """The ``logprobs`` object of a choice (None when there are none).
+
+    Args:
+        kind: ``chat`` or ``completion`` (vLLM's two shapes).
+        token_ids: the sampled tokens.
+        logprobs: their log-probabilities, one per token id.
+        tokens: their texts (an entry or the whole may be unknown: None).
+        top_logprobs: their alternatives (likewise).
+    """
     if logprobs is None:
         return None
-    tokens = [f"token_id:{token}" for token in token_ids]
+    texts = [_token_text(token_ids, tokens, i) for i in range(len(token_ids))]
+    tops = [None if top_logprobs is None else top_logprobs[i] for i in range(len(token_ids))]
     if kind == "chat":
         return {
             "content": [
-                {"token": token, "logprob": value, "bytes": None, "top_logprobs": []}
-                for token, value in zip(tokens, logprobs, strict=True)
+                _chat_entry(token, known, value, top)
+                for token, known, value, top in zip(
+                    texts, _known(tokens, len(token_ids)), logprobs, tops, strict=True
+                )
             ]
         }
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None}
+    return {
+        "tokens": texts,
+        "token_logprobs": [max(value, MIN_LOGPROB) for value in logprobs],
+        "top_logprobs": _completion_tops(tops),
+    }
+
+
+def _token_text(token_ids: Sequence[int], tokens: Sequence[str | None] | None, i: int) -> str:
+    known = None if tokens is None else tokens[i]
+    return f"token_id:{token_ids[i]}" if known is None else known
+
+
+def _known(tokens: Sequence[str | None] | None, count: int) -> list[bool]:
+    if tokens is None:
+        return [False] * count
+    return [token is not None for token in tokens]
+
+
+def _utf8(token: str) -> list[int]:
+    return list(token.encode("utf-8", "replace"))
+
+
+def _chat_entry(
+    token: str, known: bool, value: float, top: Sequence[TokenLogprob] | None
+) -> dict[str, object]:
+    return {
+        "token": token,
+        "logprob": max(value, MIN_LOGPROB),
+        "bytes": _utf8(token) if known else None,
+        "top_logprobs": [
+            {
+                "token": alt.token,
+                "logprob": max(alt.logprob, MIN_LOGPROB),
+                "bytes": _utf8(alt.token),
+            }
+            for alt in top or ()
+        ],
+    }
+
+
+def _completion_tops(
+    tops: Sequence[Sequence[TokenLogprob] | None],
+) -> list[dict[str, float] | None] | None:
+    if all(top is None for top in tops):
+        return None
+    return [
+        None if top is None else {alt.token: max(alt.logprob, MIN_LOGPROB) for alt in top}
+        for top in tops
+    ]
+
+
+def chat_message(text: str, fields: dict[str, object] | None) -> dict[str, object]:
+    """A non-streamed chat ``message``: the text and the accumulated delta ``fields``.
+
+    ``tool_calls`` lose the stream's ``index`` (a message lists them in
+    order); ``content`` is null when the answer is only tool calls, as
+    OpenAI and vLLM give it.
+    """
+    message: dict[str, object] = {"role": "assistant", "content": text}
+    if not fields:
+        return message
+    for key, value in fields.items():
+        if key == "tool_calls" and isinstance(value, list):
+            message[key] = [_call_without_index(call) for call in value]
+        elif key not in message:
+            message[key] = value
+    if not text and message.get("tool_calls"):
+        message["content"] = None
+    return message
+
+
+def _call_without_index(call: object) -> object:
+    if not isinstance(call, dict):
+        return call
+    return {key: value for key, value in call.items() if key != "index"}
 
 
 def response_body(
@@ -97,11 +199,16 @@ def response_body(
     finish_reason: str,
     usage: Usage,
     logprobs: dict[str, object] | None = None,
+    fields: dict[str, object] | None = None,
 ) -> dict[str, object]:
-    """A non-streaming ``chat.completion`` or ``text_completion`` object."""
+    """A non-streaming ``chat.completion`` or ``text_completion`` object.
+
+    ``fields`` are the chat deltas' other keys, accumulated (see
+    :func:`chat_message`); a completion has none.
+    """
     choice: dict[str, object] = {"index": 0}
     if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"] = chat_message(text, fields)
     else:
         choice["text"] = text
     choice["logprobs"] = logprobs
@@ -155,16 +262,48 @@ class SseFormatter:
         text: str,
         token_ids: Sequence[int] = (),
         logprobs: Sequence[float] | None = None,
+        *,
+        tokens: Sequence[str] | None = None,
+        top_logprobs: Sequence[Sequence[TokenLogprob]] | None = None,
+        fields: dict[str, object] | None = None,
     ) -> str:
-        """One chunk of new output (the fast path unless log-probabilities are wanted)."""
-        if not self._logprobs or logprobs is None:
+        """One chunk of new output (the fast path unless logprobs or ``fields`` come).
+
+        ``fields`` (chat only) go into the chunk's ``delta`` beside the text,
+        which is left out when empty, as vLLM writes a tool-call or
+        reasoning delta.
+        """
+        with_logprobs = self._logprobs and logprobs is not None
+        if not with_logprobs and not fields:
             return self._prefix + _dumps(text) + self._suffix
-        body = logprobs_body(self._kind, token_ids, logprobs)
-        return self._choice(
-            {"delta": {"content": text}} if self._kind == "chat" else {"text": text},
-            logprobs=body,
-            finish_reason=None,
+        body = (
+            logprobs_body(self._kind, token_ids, logprobs, tokens, top_logprobs)
+            if with_logprobs
+            else None
         )
+        return self._choice(self._content(text, fields), logprobs=body, finish_reason=None)
+
+    def event(self, event: DeltaEvent) -> str:
+        """:meth:`delta` for a router ``DeltaEvent`` (the template inline, for the hot path)."""
+        if event.fields is None and (not self._logprobs or event.logprobs is None):
+            return self._prefix + _dumps(event.text) + self._suffix
+        return self.delta(
+            event.text,
+            event.token_ids,
+            event.logprobs,
+            tokens=event.tokens,
+            top_logprobs=event.top_logprobs,
+            fields=event.fields,
+        )
+
+    def _content(self, text: str, fields: dict[str, object] | None) -> dict[str, object]:
+        if self._kind != "chat":
+            return {"text": text}
+        if not fields:
+            return {"delta": {"content": text}}
+        delta: dict[str, object] = {"content": text} if text else {}
+        delta.update(fields)
+        return {"delta": delta}
 
     def finish(self, finish_reason: str) -> str:
         """The chunk that carries the finish reason (empty delta / text)."""
@@ -195,3 +334,71 @@ class SseFormatter:
     ) -> str:
         choice = {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
         return f'{self._head}"choices":[{_dumps(choice)}]}}\n\n'
+
+
+class AnswerBuilder:
+    """Accumulates one request's deltas into its non-streamed answer.
+
+    What a client that read the stream would hold: the text, each token's
+    logprob entry (when asked for), and the chat ``fields`` merged as
+    :func:`~epd_actors.protocol.merge_delta_fields` merges them.
+
+    Args:
+        kind: ``chat`` or ``completion``.
+        logprobs: whether the request asked for log-probabilities.
+    """
+
+    __slots__ = (
+        "_fields",
+        "_kind",
+        "_logprobs",
+        "_texts",
+        "_token_ids",
+        "_tokens",
+        "_tops",
+        "_wanted",
+    )
+
+    def __init__(self, kind: Kind, *, logprobs: bool) -> None:
+        self._kind: Kind = kind
+        self._wanted = logprobs
+        self._texts: list[str] = []
+        self._token_ids: list[int] = []
+        self._logprobs: list[float] = []
+        self._tokens: list[str | None] = []
+        self._tops: list[tuple[TokenLogprob, ...] | None] = []
+        self._fields: dict[str, object] | None = None
+
+    def add(self, event: DeltaEvent) -> None:
+        """Take one delta's output."""
+        self._texts.append(event.text)
+        if event.fields:
+            self._fields = merge_delta_fields(self._fields or {}, event.fields)
+        if not self._wanted or event.logprobs is None:
+            return
+        count = len(event.token_ids)
+        self._token_ids.extend(event.token_ids)
+        self._logprobs.extend(event.logprobs)
+        self._tokens.extend(event.tokens if event.tokens is not None else (None,) * count)
+        self._tops.extend(event.top_logprobs if event.top_logprobs is not None else (None,) * count)
+
+    def body(
+        self, *, request_id: str, model: str, created: int, finish_reason: str, usage: Usage
+    ) -> dict[str, object]:
+        """The ``chat.completion`` / ``text_completion`` object of what was added."""
+        logprobs = (
+            logprobs_body(self._kind, self._token_ids, self._logprobs, self._tokens, self._tops)
+            if self._wanted
+            else None
+        )
+        return response_body(
+            self._kind,
+            request_id=request_id,
+            model=model,
+            created=created,
+            text="".join(self._texts),
+            finish_reason=finish_reason,
+            usage=usage,
+            logprobs=logprobs,
+            fields=self._fields,
+        )

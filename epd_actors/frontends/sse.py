@@ -64,8 +64,8 @@ def render_batch(
     parts: list[str] = []
     for event in batch:
         if isinstance(event, DeltaEvent):
-            if event.text or (parsed.logprobs and event.token_ids):
-                parts.append(formatter.delta(event.text, event.token_ids, event.logprobs))
+            if worth_a_chunk(event, logprobs=parsed.logprobs):
+                parts.append(formatter.event(event))
         elif isinstance(event, DoneEvent):
             parts.append(formatter.finish(event.finish_reason))
             if parsed.include_usage:
@@ -78,6 +78,11 @@ def render_batch(
             parts.append(formatter.error(stream_error_body(event.error)))
             return "".join(parts), event
     return "".join(parts), None
+
+
+def worth_a_chunk(event: DeltaEvent, *, logprobs: bool) -> bool:
+    """Whether ``event`` renders a chunk: text, ``fields``, or tokens whose logprobs were asked."""
+    return bool(event.text or event.fields or (logprobs and event.token_ids))
 
 
 def stream_error_body(error: EpdError) -> ErrorBody:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from ..transport import send_some_nowait
-from .sse import next_batch
+from .sse import next_batch, worth_a_chunk
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -98,9 +98,9 @@ class DirectSseWriter:
         """
         if not self.idle:
             return False
-        if not (event.text or (self._logprobs and event.token_ids)):
+        if not worth_a_chunk(event, logprobs=self._logprobs):
             return True  # nothing to render (as in a batch)
-        text = self._formatter.delta(event.text, event.token_ids, event.logprobs)
+        text = self._formatter.event(event)
         data = self._frame(text.encode("utf-8", "replace"))
         try:
             written = send_some_nowait(self._stream, data)

@@ -74,7 +74,7 @@ from .ws_messages import (
     WsMessageError,
     cancelled_message,
     compact_json,
-    delta_message,
+    delta_messages,
     done_message,
     error_message,
     error_payload,
@@ -665,9 +665,10 @@ class WsConnection:
             if not isinstance(event, DeltaEvent):
                 continue  # UsageEvent: the done message carries the usage
             deltas, final = _drain(event, events)
-            self.deltas_merged += len(deltas) - 1
-            if any(delta.text or delta.token_ids for delta in deltas):
-                await outgoing.send(delta_message(client_id, deltas, logprobs=logprobs))
+            messages = delta_messages(client_id, deltas, logprobs=logprobs)
+            self.deltas_merged += len(deltas) - max(len(messages), 1)
+            for text in messages:
+                await outgoing.send(text)
             if final is not None:
                 return final
         return None

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypeVar
 
+from ..protocol import merge_delta_fields
 from .body_checks import (
     LoneSurrogate,
     find_lone_surrogate,
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 
     from ..request import DeltaEvent, DoneEvent, RequestTimings
     from .openai_schema import RequestKind
+
+_T = TypeVar("_T")
 
 MAX_ID_CHARS: Final = 256
 """Longest client generation id (characters)."""
@@ -166,8 +169,24 @@ def error_message(client_id: str | None, exc: BaseException) -> str:
     return compact_json({"type": "error", "id": client_id, "error": error_payload(exc)})
 
 
+def delta_messages(client_id: str, deltas: Sequence[DeltaEvent], *, logprobs: bool) -> list[str]:
+    """The ``delta`` messages of ``deltas``, in order: merged wherever merging keeps everything.
+
+    With logprobs asked, deltas whose per-token arrays (``logprobs``,
+    ``tokens``, ``top_logprobs``) some carry and others do not go in
+    separate messages, so every array stays one entry per token id.
+    """
+    runs = _mergeable_runs(deltas) if logprobs else [deltas]
+    return [delta_message(client_id, run, logprobs=logprobs) for run in runs if _has_output(run)]
+
+
 def delta_message(client_id: str, deltas: Sequence[DeltaEvent], *, logprobs: bool) -> str:
-    """One ``delta`` message carrying ``deltas`` merged, in order."""
+    """One ``delta`` message carrying ``deltas`` merged, in order.
+
+    ``tokens`` and ``top_logprobs`` come with ``logprobs`` when the engine
+    gave them; ``fields`` (the chat delta's other keys, such as
+    ``tool_calls`` pieces) come merged as an OpenAI client merges them.
+    """
     body: dict[str, object] = {
         "type": "delta",
         "id": client_id,
@@ -175,8 +194,53 @@ def delta_message(client_id: str, deltas: Sequence[DeltaEvent], *, logprobs: boo
         "token_ids": [token for delta in deltas for token in delta.token_ids],
     }
     if logprobs:
-        body["logprobs"] = [value for delta in deltas for value in delta.logprobs or ()]
+        with_tokens = [delta for delta in deltas if delta.token_ids]
+        body["logprobs"] = _joined([delta.logprobs for delta in with_tokens]) or []
+        tokens = _joined([delta.tokens for delta in with_tokens])
+        if tokens:
+            body["tokens"] = tokens
+        tops = _joined([delta.top_logprobs for delta in with_tokens])
+        if tops:
+            body["top_logprobs"] = [
+                [{"token": alt.token, "logprob": alt.logprob} for alt in top] for top in tops
+            ]
+    fields: dict[str, object] | None = None
+    for delta in deltas:
+        if delta.fields:
+            fields = merge_delta_fields(fields or {}, delta.fields)
+    if fields:
+        body["fields"] = fields
     return compact_json(body)
+
+
+def _has_output(deltas: Sequence[DeltaEvent]) -> bool:
+    return any(delta.text or delta.token_ids or delta.fields for delta in deltas)
+
+
+def _shape(delta: DeltaEvent) -> tuple[bool, bool, bool]:
+    return (delta.logprobs is None, delta.tokens is None, delta.top_logprobs is None)
+
+
+def _mergeable_runs(deltas: Sequence[DeltaEvent]) -> list[Sequence[DeltaEvent]]:
+    """``deltas`` cut where a delta with tokens has other per-token arrays than those before."""
+    runs: list[Sequence[DeltaEvent]] = []
+    start, shape = 0, None
+    for at, delta in enumerate(deltas):
+        if not delta.token_ids:
+            continue
+        if shape is not None and _shape(delta) != shape:
+            runs.append(deltas[start:at])
+            start = at
+        shape = _shape(delta)
+    runs.append(deltas[start:])
+    return runs
+
+
+def _joined(parts: list[tuple[_T, ...] | None]) -> list[_T] | None:
+    """Per-token tuples concatenated, or None unless every part has one."""
+    if any(part is None for part in parts):
+        return None
+    return [item for part in parts if part is not None for item in part]
 
 
 def done_message(client_id: str, done: DoneEvent, *, request_id: str) -> str:

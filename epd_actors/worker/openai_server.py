@@ -75,6 +75,7 @@ from ..frontends.media import MediaLimits
 from ..frontends.openai_fields import TRANSFER_FIELDS, FieldPolicy
 from ..frontends.openai_format import (
     DONE_EVENT,
+    AnswerBuilder,
     error_body,
     logprobs_body,
     response_body,
@@ -84,6 +85,7 @@ from ..frontends.openai_format import (
 )
 from ..frontends.openai_schema import parse_chat_completion, parse_completion
 from ..limits import CLEANUP_TIMEOUT_S, RECEIVE_CHUNK_BYTES
+from ..output_relay import delta_event
 from ..protocol import EncodeRequest, ErrorCode, GenerateRequest, PrefillRequest, Role, Usage
 from .engine import check_option_names
 
@@ -622,19 +624,23 @@ class SimOpenAIServer:
         await self.engine.generate(self._generate_request(exchange), collect)
         if not deltas:
             raise EngineError(ErrorCode.INTERNAL, "the engine ended without a final delta")
-        final = deltas[-1]
-        answer = self._body(
-            exchange,
-            "".join(d.text for d in deltas),
-            final.finish_reason or "stop",
-            final.usage or Usage(0, sum(len(d.token_ids) for d in deltas)),
+        final, parsed = deltas[-1], exchange.parsed
+        answer = AnswerBuilder(parsed.kind, logprobs=parsed.logprobs)
+        for delta in deltas:
+            answer.add(delta_event(delta))
+        body = answer.body(
+            request_id=exchange.request_id,
+            model=parsed.model,
+            created=unix_time(),
+            finish_reason=final.finish_reason or "stop",
+            usage=final.usage or Usage(0, sum(len(d.token_ids) for d in deltas)),
         )
-        choices = answer["choices"]
+        choices = body["choices"]
         if exchange.body.get("return_token_ids") and isinstance(choices, list):
             choice = choices[0]
             assert isinstance(choice, dict)
             choice["token_ids"] = [t for d in deltas for t in d.token_ids]
-        await self._answer(exchange, answer)
+        await self._answer(exchange, body)
 
     async def _stream(self, exchange: _Exchange) -> None:
         parsed, conn = exchange.parsed, exchange.conn
@@ -757,18 +763,26 @@ class _ChunkWriter:
         if not self._started and self._kind == "chat":
             parts.append(self._choice({"delta": {"role": "assistant", "content": ""}}, None))
         self._started = True
-        content: dict[str, object]
-        content = (
-            {"delta": {"content": delta.text}} if self._kind == "chat" else {"text": delta.text}
-        )
+        content = self._content(delta)
         if self._token_ids:
             content["token_ids"] = list(delta.token_ids)
         if self._logprobs:
-            content["logprobs"] = logprobs_body(self._kind, delta.token_ids, delta.logprobs)
+            content["logprobs"] = logprobs_body(
+                self._kind, delta.token_ids, delta.logprobs, delta.tokens, delta.top_logprobs
+            )
         parts.append(self._choice(content, delta.finish_reason))
         if delta.finish_reason is not None and self._usage and delta.usage is not None:
             parts.append(_sse({**self._head, "choices": [], "usage": usage_body(delta.usage)}))
         return b"".join(parts)
+
+    def _content(self, delta: Delta) -> dict[str, object]:
+        """The choice's text part: vLLM leaves ``content`` out of a tool-call or reasoning delta."""
+        if self._kind != "chat":
+            return {"text": delta.text}
+        if not delta.fields:
+            return {"delta": {"content": delta.text}}
+        message: dict[str, object] = {"content": delta.text} if delta.text else {}
+        return {"delta": {**message, **delta.fields}}
 
     def _choice(self, content: dict[str, object], finish: str | None) -> bytes:
         choice = {"index": 0, "logprobs": None, **content, "finish_reason": finish}

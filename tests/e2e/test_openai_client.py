@@ -138,3 +138,49 @@ async def test_invalid_request_is_a_bad_request_error() -> None:
         wrong_key = client.with_options(api_key="nope")
         with pytest.raises(openai.AuthenticationError):
             await call(lambda: wrong_key.models.list())
+
+
+async def test_top_logprobs_parse_in_the_openai_client() -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    async with served() as (_, client):
+        reply = await call(
+            lambda: client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=4, logprobs=True, top_logprobs=2
+            )
+        )
+
+        def stream_chat() -> list[object]:
+            stream = client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=4,
+                logprobs=True,
+                top_logprobs=2,
+                stream=True,
+            )
+            return [
+                entry
+                for chunk in stream
+                for choice in chunk.choices
+                for entry in (choice.logprobs.content or [] if choice.logprobs else [])
+            ]
+
+        streamed = await call(stream_chat)
+        completion = await call(
+            lambda: client.completions.create(
+                model=MODEL, prompt="once upon", max_tokens=3, logprobs=2
+            )
+        )
+    [choice] = reply.choices
+    assert choice.logprobs is not None
+    content = choice.logprobs.content or []
+    assert [len(entry.top_logprobs) for entry in content] == [2, 2, 2, 2]
+    assert "".join(entry.token for entry in content) == choice.message.content
+    assert all(entry.bytes == list(entry.token.encode()) for entry in content)
+    assert all(entry.top_logprobs[0].token == entry.token for entry in content)
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]  # type: ignore[attr-defined]
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None
+    assert logprobs.top_logprobs is not None
+    assert [len(top) for top in logprobs.top_logprobs] == [2, 2, 2]
+    assert logprobs.tokens == [next(iter(top)) for top in logprobs.top_logprobs]

@@ -57,11 +57,19 @@ from ...protocol import (
     Prompt,
     Role,
     StageResult,
+    TokenLogprob,
     Usage,
 )
 from .sim_config import Knob, KnobSpec, SimConfig, sim_knobs
 from .sim_store import SAFE_KEY, EncoderCacheEntry, KVEntry, is_safe_key
-from .sim_text import VOCAB_SIZE, _StopText, _TokenSource, count_prompt_tokens, prompt_digest
+from .sim_text import (
+    MAX_ALTERNATIVES,
+    VOCAB_SIZE,
+    _StopText,
+    _TokenSource,
+    count_prompt_tokens,
+    prompt_digest,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -664,6 +672,10 @@ class SimEngine:
         faults = {config.stall_after_tokens, config.crash_after_tokens}
         ids: list[int] = []
         logprobs: list[float] = []
+        pieces: list[str] = []
+        alternatives: list[tuple[TokenLogprob, ...]] = []
+        want_tokens = sampling.logprobs is not None
+        top = min(sampling.logprobs or 0, MAX_ALTERNATIVES)
         produced = 0
         first_at: float | None = None
         await _pause(config.first_token_s)
@@ -674,9 +686,12 @@ class SimEngine:
             if produced == config.stall_after_tokens:
                 await trio.sleep_forever()
             token_id, logprob, piece = source.token(produced)
+            if top:
+                alternatives.append(source.alternatives(produced, top))
             produced += 1
             ids.append(token_id)
             logprobs.append(logprob)
+            pieces.append(piece)
             finish: str | None = None
             may_stop = produced >= sampling.min_tokens
             if may_stop and token_id in stop_ids:
@@ -694,10 +709,14 @@ class SimEngine:
                 rid,
                 token_ids=tuple(ids),
                 text=text.take(final=finish is not None),
-                logprobs=tuple(logprobs) if sampling.logprobs is not None else None,
+                logprobs=tuple(logprobs) if want_tokens else None,
+                tokens=tuple(pieces) if want_tokens else None,
+                top_logprobs=tuple(alternatives) if top else None,
             )
             ids.clear()
             logprobs.clear()
+            pieces.clear()
+            alternatives.clear()
             if finish is not None:
                 timings.update(
                     ttft_s=first_at - start, decode_s=now - first_at, total_s=now - start

@@ -10,7 +10,7 @@ import hashlib
 from typing import Final
 
 from ...errors import EngineError
-from ...protocol import ErrorCode, MediaItem, Prompt, SamplingParams
+from ...protocol import ErrorCode, MediaItem, Prompt, SamplingParams, TokenLogprob
 
 VOCAB_SIZE: Final = 32_000
 """Token ids are in ``range(VOCAB_SIZE)``."""
@@ -25,6 +25,9 @@ _WORDS: Final = (
     "ship", "sails", "far", "away", "to", "golden", "shore", "at",
     "dawn", "birds", "wake", "people", "walk", "slowly", "home", "again",
 )  # fmt: skip
+
+MAX_ALTERNATIVES: Final = len(_WORDS)
+"""The most distinct candidates a token can have (one per word)."""
 
 _MASK64: Final = (1 << 64) - 1
 _GAMMA: Final = 0x9E3779B97F4A7C15
@@ -97,6 +100,22 @@ class _TokenSource:
         logprob = -((z >> 48) % 4096 + 1) / 1024
         word = _WORDS[token_id % len(_WORDS)]
         return token_id, logprob, word if position == 0 else f" {word}"
+
+    def alternatives(self, position: int, count: int) -> tuple[TokenLogprob, ...]:
+        """``count`` candidates for the token at ``position``, the sampled one first.
+
+        The others are the words that follow the sampled one in the word list,
+        each a quarter of a nat less likely than the one before; ``count`` is
+        at most ``MAX_ALTERNATIVES``, so they are all different.
+        """
+        token_id, logprob, piece = self.token(position)
+        space = "" if position == 0 else " "
+        first = token_id % len(_WORDS)
+        others = (
+            TokenLogprob(space + _WORDS[(first + rank) % len(_WORDS)], logprob - rank / 4)
+            for rank in range(1, count)
+        )
+        return (TokenLogprob(piece, logprob), *others)
 
 
 class _StopText:
