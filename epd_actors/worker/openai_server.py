@@ -628,6 +628,7 @@ class SimOpenAIServer:
             "".join(d.text for d in deltas),
             final.finish_reason or "stop",
             final.usage or Usage(0, sum(len(d.token_ids) for d in deltas)),
+            logprobs=_unary_logprobs(exchange.parsed, deltas),
         )
         choices = answer["choices"]
         if exchange.body.get("return_token_ids") and isinstance(choices, list):
@@ -662,7 +663,15 @@ class SimOpenAIServer:
         await self._send(conn, h11.EndOfMessage())
         self.log.update(exchange.entry, outcome="ok")
 
-    def _body(self, exchange: _Exchange, text: str, finish: str, usage: Usage) -> dict[str, object]:
+    def _body(
+        self,
+        exchange: _Exchange,
+        text: str,
+        finish: str,
+        usage: Usage,
+        *,
+        logprobs: dict[str, object] | None = None,
+    ) -> dict[str, object]:
         parsed = exchange.parsed
         return response_body(
             parsed.kind,
@@ -672,6 +681,7 @@ class SimOpenAIServer:
             text=text,
             finish_reason=finish,
             usage=usage,
+            logprobs=logprobs,
         )
 
     async def _answer(self, exchange: _Exchange, answer: dict[str, object]) -> None:
@@ -773,6 +783,15 @@ class _ChunkWriter:
     def _choice(self, content: dict[str, object], finish: str | None) -> bytes:
         choice = {"index": 0, "logprobs": None, **content, "finish_reason": finish}
         return _sse({**self._head, "choices": [choice]})
+
+
+def _unary_logprobs(parsed: ParsedRequest, deltas: list[Delta]) -> dict[str, object] | None:
+    """A whole answer's ``logprobs`` object, as vLLM returns it when asked (else None)."""
+    if not parsed.logprobs or any(d.logprobs is None for d in deltas):
+        return None
+    token_ids = [t for d in deltas for t in d.token_ids]
+    values = [v for d in deltas for v in d.logprobs or ()]
+    return logprobs_body(parsed.kind, token_ids, values)
 
 
 def _sse(obj: object) -> bytes:
