@@ -668,7 +668,15 @@ class SimOpenAIServer:
         await self._send(conn, h11.EndOfMessage())
         self.log.update(exchange.entry, outcome="ok")
 
-    def _body(self, exchange: _Exchange, text: str, finish: str, usage: Usage) -> dict[str, object]:
+    def _body(
+        self,
+        exchange: _Exchange,
+        text: str,
+        finish: str,
+        usage: Usage,
+        *,
+        logprobs: dict[str, object] | None = None,
+    ) -> dict[str, object]:
         parsed = exchange.parsed
         return response_body(
             parsed.kind,
@@ -678,6 +686,7 @@ class SimOpenAIServer:
             text=text,
             finish_reason=finish,
             usage=usage,
+            logprobs=logprobs,
         )
 
     async def _answer(self, exchange: _Exchange, answer: dict[str, object]) -> None:

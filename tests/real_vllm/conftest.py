@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
 import pytest
 
-from .fleet import Lane, Role, start_engine, start_router, wait_until_ready
+from .fleet import Lane, Role, start_engine, start_plain, start_router, wait_until_ready
+from .matrix import Model, PlainAnswers
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -81,8 +83,35 @@ def lane() -> Lane:
     return Lane(Path(root).resolve())
 
 
+@dataclass
+class Plain:
+    """The plain ``vllm serve`` of the tiny Llama that the parameter matrix compares with."""
+
+    process: Process
+    url: str
+    model: Model
+    answers: PlainAnswers
+
+    def wait_ready(self) -> None:
+        wait_until_ready([(self.process, f"{self.url}/health")], START_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def plain(lane: Lane) -> Iterator[Plain]:
+    """Started before the first fleet (which asks for it), so it gets ready while the fleet
+    starts; its answers are kept for the second backend's matrix."""
+    process, url = start_plain(lane, "llama")
+    config = json.loads((lane.model("llama") / "config.json").read_text(encoding="utf-8"))
+    model = Model(str(lane.model("llama")), config["eos_token_id"], config["pad_token_id"])
+    try:
+        with httpx.Client(timeout=120.0) as client:
+            yield Plain(process, url, model, PlainAnswers(client, url))
+    finally:
+        process.stop()
+
+
 @pytest.fixture(scope="session", params=BACKENDS)
-def fleet(request: pytest.FixtureRequest, lane: Lane) -> Iterator[Fleet]:
+def fleet(request: pytest.FixtureRequest, lane: Lane, plain: Plain) -> Iterator[Fleet]:
     backend: str = request.param
     store = lane.root / "ec-store" / backend
     store.mkdir(parents=True, exist_ok=True)

@@ -329,6 +329,19 @@ def start_engine(
     return engine, probe
 
 
+def start_plain(lane: Lane, kind: str) -> tuple[Process, str]:
+    """A plain ``vllm serve`` of the ``kind`` model: no connectors, no router; its URL.
+
+    The reference of the golden answers and of the parameter matrix.
+    """
+    port = free_port()
+    argv = [str(lane.venv / "bin" / "vllm"), "serve", str(lane.model(kind))]
+    argv += ["--host", "127.0.0.1", "--port", str(port), *engine_args(kind)]
+    process = Process(f"plain-{kind}", argv, lane.logs / f"plain-{kind}.log", dict(VLLM_ENV))
+    process.start()
+    return process, f"http://127.0.0.1:{port}"
+
+
 @dataclass
 class Router:
     """``python -m epd_actors serve`` over some of the engines."""

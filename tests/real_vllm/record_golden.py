@@ -18,19 +18,14 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cases import CASES, GOLDEN_PATH, answer_of
-from fleet import VLLM_ENV, Lane, Process, engine_args, free_port, wait_until_ready
+from fleet import Lane, Process, start_plain, wait_until_ready
 
 
 def main() -> int:
     lane = Lane(Path(sys.argv[1] if len(sys.argv) > 1 else ".real-vllm").resolve())
     servers: dict[str, tuple[Process, str]] = {}
     for kind in ("qwen2vl", "llama"):
-        port = free_port()
-        argv = [str(lane.venv / "bin" / "vllm"), "serve", str(lane.model(kind))]
-        argv += ["--host", "127.0.0.1", "--port", str(port), *engine_args(kind)]
-        process = Process(f"plain-{kind}", argv, lane.logs / f"plain-{kind}.log", dict(VLLM_ENV))
-        process.start()
-        servers[kind] = (process, f"http://127.0.0.1:{port}")
+        servers[kind] = start_plain(lane, kind)
     try:
         wait_until_ready([(p, f"{url}/health") for p, url in servers.values()], timeout_s=600)
         golden = {}

@@ -21,9 +21,10 @@ import pytest
 
 from .cases import CASES, Answer, Case, answer_of, assert_matches_golden
 from .fleet import metric_sum
+from .matrix import PROFILES, jsonschema_validator, run_matrix
 
 if TYPE_CHECKING:
-    from .conftest import Fleet
+    from .conftest import Fleet, Plain
 
 pytestmark = pytest.mark.real_vllm
 
@@ -186,6 +187,27 @@ def test_latency_through_the_router_versus_direct(fleet: Fleet) -> None:
     fleet.report["latency_failures"] = failures
     print(f"\nreal-vllm {fleet.backend} latency (ms, p50): {json.dumps(rows)}; failed: {failures}")
     assert all(samples.values()), failures
+
+
+def test_parameter_matrix_through_p_d_equals_a_plain_instance(fleet: Fleet, plain: Plain) -> None:
+    """Every field of the API-fidelity rule through the text router (P+D on the Llama), compared
+    token by token with a plain ``vllm serve``, or refused by name where the native engine does
+    not honour it (tests/real_vllm/matrix.py; its outcomes go to the report)."""
+    plain.wait_ready()
+    started = time.monotonic()
+    with httpx.Client(timeout=CLIENT_TIMEOUT_S) as client:
+        report = run_matrix(
+            client,
+            router_url=fleet.routers["text"].url,
+            plain=plain.answers,
+            model=plain.model,
+            profile=PROFILES[fleet.backend],
+            validate=jsonschema_validator(fleet.lane.python),
+        )
+    fleet.report["matrix"] = report.outcomes()
+    fleet.report["matrix_s"] = round(time.monotonic() - started, 1)
+    problems = report.problems()
+    assert not problems, "\n".join(problems)
 
 
 def test_client_disconnect_aborts_the_request_inside_vllm(fleet: Fleet) -> None:
