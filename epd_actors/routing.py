@@ -106,10 +106,14 @@ class RouteKey:
         affinity: a stable string that should map to the same worker each time:
             a media item's content hash (E), :func:`affinity_for_prompt` of the
             prompt (P, PD), or a session key.  ``None`` means "no preference".
+        adapter: the LoRA adapter the request names, or None; the pool offers
+            the policy only the workers that have it loaded, when any has
+            room (``WorkerPool.try_lease``).
     """
 
     request_id: str
     affinity: str | None = None
+    adapter: str | None = None
 
 
 class Policy(Protocol):

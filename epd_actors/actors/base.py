@@ -165,11 +165,12 @@ class BaseActor:
 
         The prompt digest is computed only for a pool whose policy reads it.
         """
+        adapter = job.context.adapter
         if not self.pool.policy.uses_affinity:
-            return RouteKey(job.request_id)
+            return RouteKey(job.request_id, adapter=adapter)
         request = job.context.request
         affinity = request.session_key or _prompt_affinity(request)
-        return RouteKey(job.request_id, affinity)
+        return RouteKey(job.request_id, affinity, adapter)
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
         """Do the job on ``backend`` and send its events on ``job.reply``.

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Final, Protocol
 from .media import MediaLimits
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Sequence
     from contextlib import AbstractAsyncContextManager
 
     import trio
 
+    from ..models import ModelCard
     from ..request import DirectDeltas, GenerationEvent, GenerationRequest
     from ..router import Router
 
@@ -91,8 +92,12 @@ class HttpApp(Protocol):
         """
         ...
 
-    def models(self) -> list[str]:
-        """The model names served (``/v1/models``; requests must name one)."""
+    def models(self) -> Sequence[str | ModelCard]:
+        """The models served (``/v1/models``; requests must name one).
+
+        A plain name is a model; a :class:`~epd_actors.models.ModelCard` may
+        name a LoRA adapter's ``parent`` model.
+        """
         ...
 
     def health(self) -> tuple[int, dict[str, object]]:
@@ -125,8 +130,9 @@ class RouterHttpApp:
     ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
         return self.router.generate(request, direct=direct)
 
-    def models(self) -> list[str]:
-        return [self.router.config.model]
+    def models(self) -> Sequence[str | ModelCard]:
+        """Every model the pools serve, then every LoRA adapter (configured or announced)."""
+        return self.router.model_cards()
 
     def health(self) -> tuple[int, dict[str, object]]:
         stats = self.router.statistics()

@@ -6,7 +6,8 @@ Theory of operation
 stock ``vllm serve`` instance of that role offers a disaggregating router:
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed or not),
 ``GET /health`` (200 while the engine is ready, else 503), ``GET
-/v1/models`` and ``GET /metrics`` (the two gauges of vLLM's Prometheus
+/v1/models`` (the model and its LoRA adapters), ``POST
+/v1/load_lora_adapter`` (:mod:`.sim_lora`) and ``GET /metrics`` (the two gauges of vLLM's Prometheus
 endpoint a router reads: ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting``, labelled ``engine="0"`` and ``model_name``).
 Bodies go through the router's own OpenAI parser
@@ -84,8 +85,10 @@ from ..frontends.openai_format import (
 )
 from ..frontends.openai_schema import parse_chat_completion, parse_completion
 from ..limits import CLEANUP_TIMEOUT_S, RECEIVE_CHUNK_BYTES
+from ..lora import LOAD_LORA_PATH
 from ..protocol import EncodeRequest, ErrorCode, GenerateRequest, PrefillRequest, Role, Usage
 from .engine import check_option_names
+from .sim_lora import LoraRefused, SimLoraAdapters
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -254,6 +257,7 @@ class _Exchange:
     parsed: ParsedRequest
     body: dict[str, object]
     gone: bool = False
+    adapter: str | None = None  # the LoRA adapter the body's model names
 
     @property
     def options(self) -> dict[str, object] | None:
@@ -294,6 +298,7 @@ class SimOpenAIServer:
         self.port = 0
         self.connections = 0
         self.running = 0  # completion requests being served now
+        self.lora = SimLoraAdapters(engine.model, engine.capabilities)
 
     def __repr__(self) -> str:
         return (
@@ -393,6 +398,8 @@ class SimOpenAIServer:
                 await self._send_json(conn, 200 if ready else 503, {} if ready else _not_ready())
             elif path == "/v1/models" and method == "GET":
                 await self._send_json(conn, 200, self._models())
+            elif path == LOAD_LORA_PATH and method == "POST":
+                await self._load_lora(conn, body)
             elif path == METRICS_PATH and method == "GET":
                 await self._send_text(conn, 200, self._metrics())
             elif path == DEBUG_PATH and method == "GET" and self.debug_routes:
@@ -405,9 +412,20 @@ class SimOpenAIServer:
             await self._send_error(conn, exc.status, str(exc), exc.code)
 
     def _models(self) -> dict[str, object]:
-        model = self.engine.model
-        card = {"id": model, "object": "model", "created": unix_time(), "owned_by": "epd_actors"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": self.lora.cards(unix_time())}
+
+    async def _load_lora(self, conn: _Connection, raw: bytes) -> None:
+        """``POST /v1/load_lora_adapter``: 200 and vLLM's text, or 400 (see :mod:`.sim_lora`)."""
+        entry = self.log.add({"path": LOAD_LORA_PATH, "status": None})
+        try:
+            answer = self.lora.load(json.loads(raw))
+        except (ValueError, RecursionError):
+            raise _Refused(400, "request body is not valid JSON") from None
+        except LoraRefused as exc:
+            self.log.update(entry, status=exc.status, outcome="refused")
+            raise _Refused(exc.status, str(exc)) from None
+        self.log.update(entry, status=200, outcome="loaded", lora_name=self.lora.loads[-1])
+        await self._send_text(conn, 200, answer)
 
     def _metrics(self) -> str:
         """vLLM's request gauges, one engine (``engine="0"``), in Prometheus text format."""
@@ -442,7 +460,11 @@ class SimOpenAIServer:
             parsed = parse(body, request_id=request_id, limits=self.settings.media, policy=_FIELDS)
             if parsed.pending:
                 raise InvalidRequest("the simulator accepts inline (data:) media only")
-            exchange = _Exchange(conn, request_id, entry, parsed, body)
+            try:
+                adapter = self.lora.adapter_for(body.get("model"))
+            except LoraRefused as exc:
+                raise _Refused(exc.status, str(exc), "model_not_found") from None
+            exchange = _Exchange(conn, request_id, entry, parsed, body, adapter=adapter)
             self.running += 1
             try:
                 await self._run(exchange)
@@ -571,6 +593,7 @@ class SimOpenAIServer:
                 request.sampling,
                 ec_transfer_params=ec if isinstance(ec, dict) else None,
                 options=exchange.options,
+                lora_adapter=exchange.adapter,
             )
         )
         answer = self._body(exchange, "", "length", Usage(result.prompt_tokens, 1))
@@ -610,6 +633,7 @@ class SimOpenAIServer:
             else None,
             ec_transfer_params=ec if isinstance(ec, dict) else None,
             options=exchange.options,
+            lora_adapter=exchange.adapter,
         )
 
     async def _unary(self, exchange: _Exchange) -> None:
