@@ -287,14 +287,14 @@ async def test_an_adapter_is_loaded_once_on_the_vllm_worker_before_its_requests(
 class RefusingLoads(SimLoraAdapters):
     """A server whose every run-time load fails, as vLLM's does for a bad path."""
 
-    def load(self, body: object) -> str:
+    def load(self, body: object, base_model: str) -> str:
         self.loads.append("refused")
         raise LoraRefused(400, "Loading lora sql failed: No adapter found for /loras/sql")
 
 
 async def test_a_failed_load_fails_the_request_with_adapter_load_failed() -> None:
     with trio.fail_after(GUARD_S):
-        async with http_double_router(lora=RefusingLoads(ALPHA, ())) as (router, server):
+        async with http_double_router(lora=RefusingLoads(())) as (router, server):
             failed = await final(router, request(1, "sql"))
             log = server.log.snapshot()
     assert isinstance(failed, ErrorEvent)

@@ -298,7 +298,7 @@ class SimOpenAIServer:
         self.port = 0
         self.connections = 0
         self.running = 0  # completion requests being served now
-        self.lora = SimLoraAdapters(engine.model, engine.capabilities)
+        self.lora = SimLoraAdapters(engine.capabilities)
 
     def __repr__(self) -> str:
         return (
@@ -412,13 +412,13 @@ class SimOpenAIServer:
             await self._send_error(conn, exc.status, str(exc), exc.code)
 
     def _models(self) -> dict[str, object]:
-        return {"object": "list", "data": self.lora.cards(unix_time())}
+        return {"object": "list", "data": self.lora.cards(self.engine.model, unix_time())}
 
     async def _load_lora(self, conn: _Connection, raw: bytes) -> None:
         """``POST /v1/load_lora_adapter``: 200 and vLLM's text, or 400 (see :mod:`.sim_lora`)."""
         entry = self.log.add({"path": LOAD_LORA_PATH, "status": None})
         try:
-            answer = self.lora.load(json.loads(raw))
+            answer = self.lora.load(json.loads(raw), self.engine.model)
         except (ValueError, RecursionError):
             raise _Refused(400, "request body is not valid JSON") from None
         except LoraRefused as exc:
@@ -461,7 +461,7 @@ class SimOpenAIServer:
             if parsed.pending:
                 raise InvalidRequest("the simulator accepts inline (data:) media only")
             try:
-                adapter = self.lora.adapter_for(body.get("model"))
+                adapter = self.lora.adapter_for(body.get("model"), self.engine.model)
             except LoraRefused as exc:
                 raise _Refused(exc.status, str(exc), "model_not_found") from None
             exchange = _Exchange(conn, request_id, entry, parsed, body, adapter=adapter)

@@ -32,19 +32,20 @@ class SimLoraAdapters:
     """The adapters one simulated server has: announced at start, then loaded.
 
     Args:
-        base_model: the model the server serves.
         capabilities: its engine's capabilities (``lora:NAME`` entries are
             the adapters it starts with, like vLLM's ``--lora-modules``).
+
+    Each method takes the model the server serves at that moment (a test may
+    change an engine's model while it runs).
     """
 
-    def __init__(self, base_model: str, capabilities: Iterable[str]) -> None:
-        self.base_model = base_model
+    def __init__(self, capabilities: Iterable[str]) -> None:
         self.adapters: dict[str, str] = {
             name: name for name in sorted(announced_adapters(tuple(capabilities)))
         }
         self.loads: list[str] = []  # adapters loaded at run time, in order
 
-    def load(self, body: object) -> str:
+    def load(self, body: object, base_model: str) -> str:
         """Load the adapter a ``/v1/load_lora_adapter`` body names; the 200 answer's text.
 
         Raises:
@@ -55,33 +56,33 @@ class SimLoraAdapters:
         path = body.get("lora_path") if isinstance(body, dict) else None
         if not (isinstance(name, str) and name and isinstance(path, str) and path):
             raise LoraRefused(400, "both 'lora_name' and 'lora_path' must be provided")
-        if name in self.adapters or name == self.base_model:
+        if name in self.adapters or name == base_model:
             raise LoraRefused(400, f"The lora adapter '{name}' has already been loaded.")
         self.adapters[name] = path
         self.loads.append(name)
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    def adapter_for(self, model: object) -> str | None:
+    def adapter_for(self, model: object, base_model: str) -> str | None:
         """The adapter a request's ``model`` names; None for the base model.
 
         Raises:
             LoraRefused: 404, the server serves no such model or adapter.
         """
-        if model == self.base_model:
+        if model == base_model:
             return None
         if isinstance(model, str) and model in self.adapters:
             return model
         raise LoraRefused(404, f"The model `{model}` does not exist.")
 
-    def cards(self, created: int) -> list[dict[str, object]]:
+    def cards(self, base_model: str, created: int) -> list[dict[str, object]]:
         """The base model's card, then one per adapter (``parent``: the base model)."""
         base: dict[str, object] = {
-            "id": self.base_model,
+            "id": base_model,
             "object": "model",
             "created": created,
             "owned_by": "epd_actors",
         }
         return [base] + [
-            {**base, "id": name, "root": path, "parent": self.base_model}
+            {**base, "id": name, "root": path, "parent": base_model}
             for name, path in self.adapters.items()
         ]
