@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from .actors import STAGE_ACTORS
 from .config_file import FileConfig, load_config
 from .errors import ConfigError
-from .router import build_pools
+from .router import build_catalog, build_pools
 from .supervisor import Supervisor
 
 if TYPE_CHECKING:
@@ -22,10 +22,17 @@ def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
 def describe(config: FileConfig) -> str:
     """A human-readable summary of a valid configuration."""
     router, server = config.router, config.server
-    stages = sorted((p.stage for p in router.pools), key=lambda s: STAGE_ACTORS[s].order)
-    lines = [
-        f"model:      {router.model}",
-        f"topology:   {' -> '.join(stages)}",
+    lines = [f"model:      {router.model}"]
+    for model in router.served_models():
+        stages = sorted(
+            (p.stage for p in router.pools if router.pool_model(p) == model),
+            key=lambda s: STAGE_ACTORS[s].order,
+        )
+        adapters = [a.name for a in router.lora_adapters(model)]
+        lora = f"   LoRA adapters: {', '.join(adapters)}" if adapters else ""
+        label = "topology:  " if model == router.model else f"topology of {model}:"
+        lines.append(f"{label} {' -> '.join(stages)}{lora}")
+    lines += [
         f"http:       {server.http_listen}"
         + (f"   websocket: {server.ws_listen}" if server.ws_listen else ""),
         f"api keys:   {len(server.http.api_keys) or 'none (open)'}"
@@ -46,8 +53,9 @@ def describe(config: FileConfig) -> str:
     ]
     for pool in router.pools:
         lines.append(
-            f"pool {pool.stage}: policy={pool.policy_name} "
+            f"pool {router.pool_name(pool)}: policy={pool.policy_name} "
             f"max_in_flight_per_worker={pool.max_in_flight_per_worker}"
+            + (" lora_loading" if pool.lora_loading else "")
         )
         lines += [f"  - {w.worker_id} {w.backend} {w.address}" for w in pool.workers]
     return "\n".join(lines)
@@ -55,7 +63,8 @@ def describe(config: FileConfig) -> str:
 
 def check_topology(config: FileConfig) -> None:
     """Build (without starting) the supervisor, so topology errors surface here too."""
-    Supervisor(build_pools(config.router))
+    pools = build_pools(config.router)
+    Supervisor(pools, catalog=build_catalog(config.router, pools))
 
 
 def run_check_config(args: argparse.Namespace) -> int:

@@ -23,6 +23,8 @@ from .routing import build_policy
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from .lora import LoraAdapter
+
 BACKEND_KINDS = ("native", "openai_http")
 """``native``: an ``epd_actors worker`` (``tcp://HOST:PORT`` or ``unix:PATH``);
 ``openai_http``: a stock ``vllm serve`` instance (``http(s)://HOST:PORT``)."""
@@ -64,6 +66,12 @@ class PoolConfig:
         max_in_flight_per_worker: jobs one worker may hold from this router.
         policy_options: the policy's options by name (each policy lists its
             own; docs/routing.md), e.g. ``{"load_factor": 1.5}``.
+        model: the model the pool's workers serve (None: the router's
+            ``model``).  A stage may have one pool per model.
+        lora_loading: the router may load a LoRA adapter of the model on a
+            worker of this pool at run time (vLLM's ``/v1/load_lora_adapter``,
+            ``openai_http`` workers), when a request names one that no worker
+            with room has loaded and the adapter has a ``path``.
     """
 
     stage: str
@@ -71,10 +79,28 @@ class PoolConfig:
     policy: str | None = None
     max_in_flight_per_worker: int = 256
     policy_options: Mapping[str, object] = field(default_factory=dict)
+    model: str | None = None
+    lora_loading: bool = False
 
     @property
     def policy_name(self) -> str:
         return self.policy or DEFAULT_POLICIES.get(self.stage, "least_in_flight")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What the router knows of one model beyond its pools: its LoRA adapters.
+
+    Attributes:
+        name: a model some pool serves.
+        lora_adapters: adapters a request may name instead of the model; its
+            pools' workers serve them (``--lora-modules``), or load those with
+            a ``path`` at run time (a pool's ``lora_loading``).  Adapters the
+            workers announce or list are served without being configured.
+    """
+
+    name: str
+    lora_adapters: tuple[LoraAdapter, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +183,11 @@ class RouterConfig:
     """Everything the router needs to start.
 
     Attributes:
-        pools: one per configured stage.
+        pools: one per configured stage and model.
         auth_token: presented to native workers in the handshake.
-        model: the model name the router serves.
+        model: the router's default model: what a pool without a ``model``
+            serves, and what a request without one is for.
+        models: the LoRA adapters of the served models (see :class:`ModelConfig`).
         deadlines: request deadlines.
         actors: actor bounds.
         retries: when failed E, P (and not yet streaming D/PD) attempts move to
@@ -174,6 +202,7 @@ class RouterConfig:
     pools: tuple[PoolConfig, ...]
     auth_token: str = ""
     model: str = "sim-model"
+    models: tuple[ModelConfig, ...] = ()
     deadlines: Deadlines = field(default_factory=Deadlines)
     actors: ActorLimits = field(default_factory=ActorLimits)
     retries: RetryPolicy = field(default_factory=RetryPolicy)
@@ -185,11 +214,34 @@ class RouterConfig:
     def __post_init__(self) -> None:
         validate(self)
 
-    def pool(self, stage: str) -> PoolConfig | None:
+    def pool(self, stage: str, model: str | None = None) -> PoolConfig | None:
+        """The pool of ``stage`` for ``model`` (default: the router's model), if configured."""
+        wanted = model or self.model
         for pool in self.pools:
-            if pool.stage == stage:
+            if pool.stage == stage and self.pool_model(pool) == wanted:
                 return pool
         return None
+
+    def pool_model(self, pool: PoolConfig) -> str:
+        """The model ``pool`` serves."""
+        return pool.model or self.model
+
+    def pool_name(self, pool: PoolConfig) -> str:
+        """How the router names ``pool``: its stage, with ``@model`` for another model."""
+        return pool_name(pool.stage, self.pool_model(pool), self.model)
+
+    def served_models(self) -> tuple[str, ...]:
+        """Every model some pool serves, in the order the pools are configured."""
+        return tuple(dict.fromkeys(self.pool_model(pool) for pool in self.pools))
+
+    def lora_adapters(self, model: str) -> tuple[LoraAdapter, ...]:
+        """The configured LoRA adapters of ``model``."""
+        return next((m.lora_adapters for m in self.models if m.name == model), ())
+
+
+def pool_name(stage: str, model: str, default_model: str) -> str:
+    """``stage`` for the default model's pool, ``stage@model`` for another model's."""
+    return stage if model == default_model else f"{stage}@{model}"
 
 
 def _positive(key: str, value: float) -> None:
@@ -220,13 +272,17 @@ def validate(config: RouterConfig) -> None:
     """Check every field; raise ``ConfigError`` naming the first bad key."""
     if not config.pools:
         raise ConfigError("pools: at least one pool is needed")
-    seen_stages: set[str] = set()
+    seen_pools: set[str] = set()
     seen_workers: set[str] = set()
     for pool in config.pools:
         key = f"pools.{pool.stage}"
-        if pool.stage in seen_stages:
-            raise ConfigError(f"{key}: configured twice")
-        seen_stages.add(pool.stage)
+        if pool.model is not None and not pool.model:
+            raise ConfigError(f"{key}.model must not be empty")
+        name = config.pool_name(pool)
+        if name in seen_pools:
+            model = config.pool_model(pool)
+            raise ConfigError(f"{key}: configured twice for model {model!r}")
+        seen_pools.add(name)
         try:
             build_policy(pool.policy_name, pool.policy_options)
         except ConfigError as exc:
@@ -249,6 +305,7 @@ def validate(config: RouterConfig) -> None:
                 check_http_url(worker.address, key=f"{worker_key}.address")
             else:
                 parse_address(worker.address, key=f"{worker_key}.address")
+    _check_models(config)
     deadlines = config.deadlines
     for name in (
         "request_timeout_s",
@@ -273,3 +330,28 @@ def validate(config: RouterConfig) -> None:
     if not 0.0 <= config.admission.high_priority_reserve < 1.0:
         raise ConfigError("admission.high_priority_reserve must be in [0, 1)")
     _positive("actors.restart_backoff_max_s", actors.restart_backoff_max_s)
+
+
+def _check_models(config: RouterConfig) -> None:
+    """Every ``models`` entry names a served model; adapter names are unique and no model's."""
+    served = set(config.served_models())
+    seen_models: set[str] = set()
+    seen_adapters: set[str] = set()
+    for index, model in enumerate(config.models):
+        key = f"models[{index}]"
+        if model.name not in served:
+            raise ConfigError(f"{key}.name: no pool serves model {model.name!r}")
+        if model.name in seen_models:
+            raise ConfigError(f"{key}.name: model {model.name!r} is listed twice")
+        seen_models.add(model.name)
+        for number, adapter in enumerate(model.lora_adapters):
+            adapter_key = f"{key}.lora_adapters[{number}]"
+            if not adapter.name:
+                raise ConfigError(f"{adapter_key}.name must not be empty")
+            if adapter.name in served:
+                raise ConfigError(f"{adapter_key}.name: {adapter.name!r} is a model's name")
+            if adapter.name in seen_adapters:
+                raise ConfigError(f"{adapter_key}.name: adapter {adapter.name!r} is listed twice")
+            if adapter.path is not None and not adapter.path:
+                raise ConfigError(f"{adapter_key}.path must not be empty")
+            seen_adapters.add(adapter.name)

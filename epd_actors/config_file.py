@@ -29,6 +29,7 @@ from .config import (
     ActorLimits,
     AdmissionLimits,
     Deadlines,
+    ModelConfig,
     PoolConfig,
     RouterConfig,
     WorkerEndpoint,
@@ -39,6 +40,7 @@ from .frontends.media import MediaLimits, MediaPolicy
 from .frontends.openai_fields import UNKNOWN_FIELD_CHOICES, FieldPolicy
 from .frontends.ws import WsSettings
 from .health import HealthPolicy
+from .lora import LoraAdapter
 from .retry import RetryPolicy
 
 
@@ -150,6 +152,16 @@ class _Table:
             raise ConfigError(f"{self.key(name)}: expected an array of tables")
         return [_Table(item, f"{self.key(name)}[{i}]") for i, item in enumerate(value)]
 
+    def stage_tables(self) -> list[tuple[str, list[_Table]]]:
+        """Every remaining key, as a table or an array of tables, by name."""
+        found: list[tuple[str, list[_Table]]] = []
+        for name in list(self._data):
+            if isinstance(self._data[name], list):
+                found.append((name, self.tables(name)))
+            else:
+                found.append((name, [self.table(name)]))
+        return found
+
     def remaining_tables(self) -> list[tuple[str, _Table]]:
         names = list(self._data)
         return [(n, _Table(self._data.pop(n), self.key(n))) for n in names]
@@ -214,13 +226,14 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     openai_http_table = top.table("openai_http")
     api_key = openai_http_table.secret("api_key", env)
     openai_http = read_settings(openai_http_table, OpenAIHttpSettings, api_key=api_key)
-    pools_table = top.table("pools")
-    pools = tuple(_pool(stage, table) for stage, table in pools_table.remaining_tables())
+    pools = _pools(top)
+    models = tuple(_model(table) for table in top.tables("models"))
     top.done()
     router = RouterConfig(
         pools,
         auth_token=auth_token,
         model=model,
+        models=models,
         deadlines=deadlines,
         actors=actors,
         retries=retries,
@@ -327,6 +340,29 @@ def read_settings(table: _Table, cls: type[_T], **fixed: object) -> _T:
         raise ConfigError(f"{table.path or 'config'}: {exc}") from None
 
 
+def _pools(top: _Table) -> tuple[PoolConfig, ...]:
+    """``[pools.STAGE]`` (one pool) or ``[[pools.STAGE]]`` (one per model) for each stage."""
+    pools: list[PoolConfig] = []
+    for stage, table in top.table("pools").stage_tables():
+        pools += [_pool(stage, entry) for entry in table]
+    return tuple(pools)
+
+
+def _model(table: _Table) -> ModelConfig:
+    name = table.string("name", None)
+    if not name:
+        raise ConfigError(f"{table.key('name')}: required")
+    adapters = []
+    for entry in table.tables("lora_adapters"):
+        adapter_name = entry.string("name", None)
+        if not adapter_name:
+            raise ConfigError(f"{entry.key('name')}: required")
+        adapters.append(LoraAdapter(adapter_name, entry.string("path", None)))
+        entry.done()
+    table.done()
+    return ModelConfig(name, tuple(adapters))
+
+
 def _pool(stage: str, table: _Table) -> PoolConfig:
     workers = []
     for worker in table.tables("workers"):
@@ -345,6 +381,8 @@ def _pool(stage: str, table: _Table) -> PoolConfig:
         policy=table.string("policy", None),
         max_in_flight_per_worker=table.integer("max_in_flight_per_worker", 256, minimum=1),
         policy_options=table.mapping("policy_options"),
+        model=table.string("model", None),
+        lora_loading=table.boolean("lora_loading", False),
     )
     table.done()
     return config

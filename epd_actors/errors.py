@@ -12,6 +12,7 @@ single exception from this tree::
     │       └── FrameTooLarge         a frame header announced more than the limit
     ├── ConfigError                   invalid configuration (names the key)
     ├── InvalidRequest                a client request that can never succeed (HTTP 400)
+    │   └── ModelNotFound             the request names a model or adapter nobody serves (HTTP 404)
     ├── Unauthorized                  bad API key or worker auth token
     ├── ConnectionLost                the peer closed or reset a native connection
     ├── WorkerError                   something went wrong on or with a worker
@@ -19,6 +20,7 @@ single exception from this tree::
     │   ├── HandshakeRejected         the worker refused our hello (token, version)
     │   ├── RemoteWorkerError         the worker answered a request with an error
     │   ├── StreamOverrun             a request read its replies too slowly and was aborted
+    │   ├── AdapterLoadFailed         a worker did not load a LoRA adapter in time, or refused to
     │   └── HandoffRejected           a later stage refused what an earlier stage's worker handed on
     ├── Overloaded                    admission refused; retry later (HTTP 429/503)
     │   └── NoHealthyWorker           a needed pool has no usable worker (HTTP 503)
@@ -78,6 +80,23 @@ class InvalidRequest(EpdError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model (or LoRA adapter) the router does not serve.
+
+    The message is the one both front ends give for it (HTTP 404
+    ``model_not_found``, and the same error on the WebSocket).
+
+    Attributes:
+        model: the name the request gave.
+    """
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"the model {model!r} does not exist", param="model", code="model_not_found"
+        )
+        self.model = model
 
 
 class Unauthorized(EpdError):
@@ -148,6 +167,24 @@ class StreamOverrun(WorkerError):
     """
 
     retryable = False
+
+
+class AdapterLoadFailed(WorkerError):
+    """A worker did not load the LoRA adapter a request needs (refused, failed, too slow).
+
+    Retryable: the request moves to another worker of the pool, which may
+    have the adapter, or load it.
+
+    Attributes:
+        adapter: the adapter's name.
+        worker_id: the worker that was asked to load it.
+    """
+
+    def __init__(self, message: str, *, adapter: str, worker_id: str) -> None:
+        super().__init__(f"worker {worker_id} could not load LoRA adapter {adapter!r}: {message}")
+        self.detail = message
+        self.adapter = adapter
+        self.worker_id = worker_id
 
 
 class HandoffRejected(WorkerError):

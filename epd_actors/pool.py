@@ -25,8 +25,15 @@ room).
 
 When a worker is added, the pool tells its backend what the pool's workers
 must be (:class:`~.backends.base.WorkerRequirement`: the roles that serve the
-stage, the router's model); a backend whose worker announced something else
+stage, the pool's model); a backend whose worker announced something else
 reports itself refused, and a refused member is never usable.
+
+A pool serves one model (``model``; None in pools built by hand: whatever the
+workers serve).  A job whose key names a LoRA adapter (``RouteKey.adapter``)
+is offered, among the members with room, those whose backend reports the
+adapter loaded (``BackendStatus.adapters``); only when none of them has room
+does the policy see the others (whose backend may load the adapter first, or
+whose worker refuses it).
 
 Membership changes at run time (``add``/``remove``/``drain``) take effect for
 the next lease; leases already granted finish normally.
@@ -158,6 +165,8 @@ class WorkerPool:
         health: the members' circuit-breaker thresholds.
         requirement: what the pool's workers must announce (default: any
             role, any model); given to each backend added.
+        model: the model the pool serves (None: unnamed, the router's default).
+        name: how statistics and logs name the pool (default: the stage).
     """
 
     def __init__(
@@ -168,10 +177,14 @@ class WorkerPool:
         max_in_flight_per_worker: int,
         health: HealthPolicy | None = None,
         requirement: WorkerRequirement | None = None,
+        model: str | None = None,
+        name: str | None = None,
     ) -> None:
         if max_in_flight_per_worker < 1:
             raise ConfigError(f"pools.{stage}.max_in_flight_per_worker must be >= 1")
         self.stage = stage
+        self.model = model
+        self.name = name or stage
         self.policy = policy
         self.max_in_flight_per_worker = max_in_flight_per_worker
         self.health = health or HealthPolicy()
@@ -180,7 +193,7 @@ class WorkerPool:
         self._slot_freed = trio.lowlevel.ParkingLot()
 
     def __repr__(self) -> str:
-        return f"<WorkerPool {self.stage} members={len(self._members)}>"
+        return f"<WorkerPool {self.name} members={len(self._members)}>"
 
     def __len__(self) -> int:
         return len(self._members)
@@ -242,12 +255,15 @@ class WorkerPool:
 
     def refusal(self) -> NoHealthyWorker:
         """The error for a request this pool cannot serve because no member is usable."""
-        return NoHealthyWorker(f"no healthy {self.stage} worker", retry_after=1.0)
+        return NoHealthyWorker(f"no healthy {self.stage} worker{self._of_model()}", retry_after=1.0)
+
+    def _of_model(self) -> str:
+        return "" if self.model is None else f" of model {self.model!r}"
 
     def saturated(self, last: EpdError) -> Overloaded:
         """The error for a job every worker with room refused as full (``last``: the latest)."""
         return Overloaded(
-            f"every {self.stage} worker is full (the last said: {last})",
+            f"every {self.stage} worker{self._of_model()} is full (the last said: {last})",
             retry_after=SATURATED_RETRY_AFTER_S,
         )
 
@@ -275,6 +291,8 @@ class WorkerPool:
             raise self.refusal()
         if not open_members:
             return None
+        if key.adapter is not None:
+            open_members = _preferring_adapter(open_members, key.adapter)
         candidates = [Candidate(m.worker_id, m.in_flight) for m in open_members.values()]
         choice = self.policy.choose(candidates, key)
         assert choice is not None, "a policy returns None only for no candidates"
@@ -312,3 +330,13 @@ class WorkerPool:
     def _return(self, member: PoolMember) -> None:
         member.in_flight -= 1
         self._slot_freed.unpark()
+
+
+def _preferring_adapter(members: dict[str, PoolMember], adapter: str) -> dict[str, PoolMember]:
+    """The members that have ``adapter`` loaded, if any; else all of them."""
+    having = {
+        worker_id: member
+        for worker_id, member in members.items()
+        if adapter in member.backend.status().adapters
+    }
+    return having or members

@@ -70,6 +70,11 @@ class GenerationRequest:
         options: the client's other vLLM request fields, by name, as JSON
             values (``frequency_penalty``, ``response_format``, ``tools``...);
             carried to the engine unchanged (see ``GenerateRequest.options``).
+        model: the model the request is for, or a LoRA adapter of one; it
+            runs on that model's pools (an adapter: on its base model's, on
+            workers that have the adapter when there are some).  None: the
+            router's default model.  A name the router does not serve ends
+            the request with ``ModelNotFound``.
     """
 
     prompt: Prompt
@@ -80,6 +85,7 @@ class GenerationRequest:
     priority: str = "normal"
     timeout_s: float | None = None
     options: dict[str, object] | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:

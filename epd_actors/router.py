@@ -1,10 +1,11 @@
 """The embeddable API: ``async with open_router(config) as router: ...``.
 
 Theory of operation: :func:`open_router` builds one backend per configured
-worker and one pool per stage, starts every backend's connection supervisor
-and the :class:`~epd_actors.supervisor.Supervisor` in a nursery it owns, and
-yields a :class:`Router`.  Leaving the block cancels everything: in-flight
-requests end, their workers are told to abort, connections close.
+worker and one pool per stage and model (:func:`build_pools`), starts every
+backend's connection supervisor and the
+:class:`~epd_actors.supervisor.Supervisor` in a nursery it owns, and yields a
+:class:`Router`.  Leaving the block cancels everything: in-flight requests
+end, their workers are told to abort, connections close.
 
 Example::
 
@@ -31,9 +32,10 @@ from ._groups import single_exception
 from .actors import STAGE_ACTORS
 from .addresses import parse_address
 from .backends.base import ManagedBackend, WorkerRequirement
-from .config import RouterConfig, WorkerEndpoint
+from .config import PoolConfig, RouterConfig, WorkerEndpoint, pool_name
 from .errors import ConfigError, NoHealthyWorker
 from .metrics import RouterMetrics
+from .models import ModelCatalog
 from .pool import MemberStatistics, WorkerPool
 from .routing import build_policy
 from .supervisor import Supervisor, SupervisorStatistics
@@ -41,6 +43,8 @@ from .supervisor import Supervisor, SupervisorStatistics
 if TYPE_CHECKING:
     from .actors import ActorStatistics
     from .backends.openai_http import OpenAIHttpBackendFactory, OpenAIHttpSettings
+    from .lora import LoraAdapter
+    from .models import ModelCard
     from .request import DirectDeltas, GenerationEvent, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -101,6 +105,7 @@ class RouterStatistics:
     supervisor: SupervisorStatistics
     pools: dict[str, list[MemberStatistics]]
     actors: dict[str, ActorStatistics]
+    """Both by pool name: the stage, or ``stage@model`` for a model other than the default."""
 
 
 class Router:
@@ -133,6 +138,10 @@ class Router:
         """Run one request; the block yields its events (see ``Supervisor.generate``)."""
         return self.supervisor.generate(request, direct=direct)
 
+    def model_cards(self) -> list[ModelCard]:
+        """Every model the pools serve, then every LoRA adapter (``/v1/models``)."""
+        return self.supervisor.catalog.cards()
+
     def statistics(self) -> RouterStatistics:
         return RouterStatistics(
             supervisor=self.supervisor.statistics(),
@@ -154,15 +163,23 @@ class Router:
                     backend = self.backends[member.worker_id]
                     nursery.start_soon(_first_ready, backend, nursery.cancel_scope)
 
-    async def add_worker(self, stage: str, endpoint: WorkerEndpoint) -> None:
+    async def add_worker(
+        self, stage: str, endpoint: WorkerEndpoint, *, model: str | None = None
+    ) -> None:
         """Add a worker to a running router (its connection starts at once).
 
+        Args:
+            stage: the stage of the pool it joins.
+            endpoint: the worker.
+            model: the model of the pool it joins (default: the router's model).
+
         Raises:
-            ConfigError: unknown stage or duplicate worker id.
+            ConfigError: no pool of that stage and model, or a duplicate worker id.
         """
-        pool = self.pools.get(stage)
+        served = model or self.config.model
+        pool = self.pools.get(pool_name(stage, served, self.config.model))
         if pool is None:
-            raise ConfigError(f"no pool for stage {stage!r}")
+            raise ConfigError(f"no pool for stage {stage!r} of model {served!r}")
         if any(p.get(endpoint.worker_id) for p in self.pools.values()):
             raise ConfigError(f"worker id {endpoint.worker_id!r} already exists")
         backend = self._backend_factory(endpoint, self.config)
@@ -215,28 +232,52 @@ async def _run_backend(
 
 
 def build_pools(config: RouterConfig) -> dict[str, WorkerPool]:
-    """One empty pool per configured stage, with its routing policy, limits and requirement.
+    """One empty pool per configured stage and model, by pool name (``RouterConfig.pool_name``).
 
-    A pool's workers must announce a role its stage actor serves
-    (``worker_roles``, from the stage registry) and the router's ``model``.
+    Each has its routing policy, limits and requirement: its workers must
+    announce a role its stage actor serves (``worker_roles``, from the stage
+    registry) and the pool's model.
     """
-    return {
-        pool.stage: WorkerPool(
+    pools: dict[str, WorkerPool] = {}
+    for pool in config.pools:
+        name = config.pool_name(pool)
+        model = config.pool_model(pool)
+        pools[name] = WorkerPool(
             pool.stage,
             build_policy(pool.policy_name, pool.policy_options),
             max_in_flight_per_worker=pool.max_in_flight_per_worker,
             health=config.health,
-            requirement=worker_requirement(pool.stage, config.model),
+            requirement=worker_requirement(
+                pool.stage, model, loadable=_loadable(config, pool, model)
+            ),
+            model=model,
+            name=name,
         )
-        for pool in config.pools
+    return pools
+
+
+def _loadable(config: RouterConfig, pool: PoolConfig, model: str) -> tuple[LoraAdapter, ...]:
+    """The adapters the pool's backends may load at run time (those with a path)."""
+    if not pool.lora_loading:
+        return ()
+    return tuple(a for a in config.lora_adapters(model) if a.path is not None)
+
+
+def build_catalog(config: RouterConfig, pools: dict[str, WorkerPool]) -> ModelCatalog:
+    """The models of ``pools`` and the configured adapters of each."""
+    adapters = {
+        adapter.name: model.name for model in config.models for adapter in model.lora_adapters
     }
+    return ModelCatalog(pools.values(), default_model=config.model, adapters=adapters)
 
 
-def worker_requirement(stage: str, model: str) -> WorkerRequirement:
+def worker_requirement(
+    stage: str, model: str, *, loadable: tuple[LoraAdapter, ...] = ()
+) -> WorkerRequirement:
     """What the workers of ``stage``'s pool must announce (any role for an unknown stage)."""
     actor = STAGE_ACTORS.get(stage)
     roles = frozenset() if actor is None else actor.worker_roles
-    return WorkerRequirement(stage, roles=roles, model=model)
+    return WorkerRequirement(stage, roles=roles, model=model, loadable_adapters=loadable)
 
 
 @asynccontextmanager
@@ -263,6 +304,7 @@ async def open_router(
         observer=metrics,
         retry=config.retries,
         admission=config.admission,
+        catalog=build_catalog(config, pools),
     )
     with single_exception():
         async with trio.open_nursery() as nursery:
@@ -270,7 +312,7 @@ async def open_router(
             metrics.watch(router.statistics)
             for pool in config.pools:
                 for endpoint in pool.workers:
-                    await router.add_worker(pool.stage, endpoint)
+                    await router.add_worker(pool.stage, endpoint, model=pool.model)
             await nursery.start(supervisor.run)
             try:
                 yield router

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
@@ -175,8 +175,10 @@ async def serve_router(
                 )
                 http_address = (host, listeners[0].socket.getsockname()[1])
                 ws_address = None
-                # As over HTTP, a request must name a model the router serves.
-                ws_settings = replace(server.ws, models=server.ws.models or tuple(app.models()))
+                # As over HTTP, a request must name a model the router serves:
+                # the router resolves it (models and adapters come and go with
+                # workers), unless the configuration names the accepted ones.
+                ws_settings = server.ws
                 if server.ws_listen is not None:
                     ws_host, ws_port = parse_host_port(server.ws_listen, key="server.ws_listen")
                     ws_server: WsServer = await acceptors.start(

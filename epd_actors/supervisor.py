@@ -7,11 +7,15 @@ runs under :meth:`Supervisor._keep_running`, which restarts a crashed actor
 after a doubling backoff and counts the restart; the actor's inbox survives,
 so only the jobs the actor held fail (with ``ActorCrashed``).
 
-*Planning.*  The topology is the set of configured stages.  A request's plan is
-the configured actors, in their class ``order``, whose ``applies_to`` accepts
-the request (a text-only request skips encode).  Exactly one configured stage
-produces the output, and every stage's ``requires`` must be configured; this is
-checked once, at start-up.  Nothing here branches on a stage's name.  A plan
+*Planning.*  Every pool serves one model, and each model's pools form its
+topology.  A request's ``model`` resolves, through the
+:class:`~.models.ModelCatalog`, to a model and possibly a LoRA adapter
+(``ModelNotFound`` otherwise); its plan is that model's actors, in their
+class ``order``, whose ``applies_to`` accepts the request (a text-only
+request skips encode), and its stage requests carry the adapter.  Exactly
+one stage of each model produces the output, and every stage's ``requires``
+must be configured for the same model; this is checked once, at start-up.
+Nothing here branches on a stage's or a model's name.  A plan
 with a stage whose pool has no usable worker (none connected and ready, or
 every breaker open) fails at once with that pool's ``NoHealthyWorker``,
 before any stage runs; workers that are merely busy do not count.
@@ -62,12 +66,14 @@ from .errors import (
     ConfigError,
     EpdError,
     HandoffRejected,
+    ModelNotFound,
     Overloaded,
     RequestCancelled,
     StageTimeout,
 )
 from .lifecycle import Lifecycle, Phase
 from .limits import REQUEST_EVENT_BUFFER
+from .models import ModelCatalog
 from .output_relay import OutputRelay
 from .protocol import Delta, Usage
 from .request import (
@@ -85,6 +91,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from .actors.jobs import Compensation, Job, StageEvent
+    from .models import ModelRoute
     from .pool import WorkerPool
     from .request import DirectDeltas
 
@@ -169,7 +176,8 @@ class Supervisor:
     """Owns the actors of a router and runs request pipelines.
 
     Args:
-        pools: stage name -> pool; one actor is built per pool.
+        pools: pool name -> pool; one actor is built per pool, from the
+            registry entry of ``pool.stage``, serving ``pool.model``.
         deadlines: request deadlines.
         limits: actor bounds and restart backoff.
         registry: stage name -> actor class (defaults to the built-in registry).
@@ -177,6 +185,8 @@ class Supervisor:
         retry: the actors' retry policy.
         rng: randomness for retry jitter (tests pass a seeded one).
         admission: the global in-flight limit.
+        catalog: resolves a request's ``model`` (default: the pools' models,
+            no configured adapters, the default model None).
     """
 
     def __init__(
@@ -190,8 +200,10 @@ class Supervisor:
         retry: RetryPolicy | None = None,
         rng: random.Random | None = None,
         admission: AdmissionLimits | None = None,
+        catalog: ModelCatalog | None = None,
     ) -> None:
         self.observer = observer
+        self.catalog = catalog or ModelCatalog(pools.values())
         self.retry = retry or RetryPolicy()
         self._rng = rng or random.Random()
         self.admission = admission or AdmissionLimits()
@@ -202,11 +214,12 @@ class Supervisor:
         self.limits = limits or ActorLimits()
         registry = STAGE_ACTORS if registry is None else registry
         self.actors: dict[str, BaseActor] = {
-            stage: self._build_actor(actor_class(stage, registry), pool, retry, rng)
-            for stage, pool in pools.items()
+            name: self._build_actor(actor_class(pool.stage, registry), pool, retry, rng)
+            for name, pool in pools.items()
         }
+        self._names = {id(actor): name for name, actor in self.actors.items()}
         self._ordered = sorted(self.actors.values(), key=lambda actor: actor.order)
-        _check_topology(self._ordered)
+        self._plans = _plans_by_model(self._ordered)
         self.actor_restarts = dict.fromkeys(self.actors, 0)
         self.requests_in_flight = 0
         self.requests_total = 0
@@ -219,7 +232,7 @@ class Supervisor:
         self._expiry_reason = ""
 
     def __repr__(self) -> str:
-        return f"<Supervisor stages={[a.stage for a in self._ordered]}>"
+        return f"<Supervisor pools={[self._names[id(a)] for a in self._ordered]}>"
 
     def _build_actor(
         self,
@@ -240,12 +253,39 @@ class Supervisor:
 
     @property
     def topology(self) -> tuple[str, ...]:
-        """The configured stages in plan order (e.g. ``('encode', 'prefill', 'decode')``)."""
-        return tuple(actor.stage for actor in self._ordered)
+        """The default model's stages in plan order (e.g. ``('encode', 'prefill', 'decode')``).
+
+        With no pool of the default model, the first configured model's.
+        """
+        actors = self._plans.get(self.catalog.default_model) or next(iter(self._plans.values()))
+        return tuple(actor.stage for actor in actors)
+
+    @property
+    def topologies(self) -> dict[str | None, tuple[str, ...]]:
+        """Each served model's stages in plan order."""
+        return {
+            model: tuple(actor.stage for actor in actors) for model, actors in self._plans.items()
+        }
+
+    def route(self, request: GenerationRequest) -> ModelRoute:
+        """Where ``request``'s model leads.
+
+        Raises:
+            ModelNotFound: the router serves no such model or adapter.
+        """
+        route = self.catalog.resolve(request.model)
+        if route.model not in self._plans:
+            raise ModelNotFound(request.model or str(route.model))
+        return route
 
     def plan(self, request: GenerationRequest) -> list[BaseActor]:
-        """The actors a request goes through, in order."""
-        return [actor for actor in self._ordered if actor.applies_to(request)]
+        """The actors a request goes through, in order.
+
+        Raises:
+            ModelNotFound: the router serves no such model or adapter.
+        """
+        actors = self._plans[self.route(request).model]
+        return [actor for actor in actors if actor.applies_to(request)]
 
     def statistics(self) -> SupervisorStatistics:
         return SupervisorStatistics(
@@ -288,7 +328,8 @@ class Supervisor:
         """
         async with trio.open_nursery() as nursery:
             for actor in self._ordered:
-                await nursery.start(self._keep_running, actor, name=f"actor:{actor.stage}")
+                name = f"actor:{self._names[id(actor)]}"
+                await nursery.start(self._keep_running, actor, name=name)
             task_status.started()
 
     async def _keep_running(
@@ -296,17 +337,18 @@ class Supervisor:
     ) -> None:
         backoff = self.limits.restart_backoff_start_s
         status: trio.TaskStatus[None] = task_status
+        name = self._names[id(actor)]
         while True:
             started = trio.current_time()
             try:
                 await actor.run(task_status=status)
             except Exception:
-                self.actor_restarts[actor.stage] += 1
+                self.actor_restarts[name] += 1
                 logger.exception(
                     "actor %s crashed; restarting in %.2fs (restart %d)",
-                    actor.stage,
+                    name,
                     backoff,
-                    self.actor_restarts[actor.stage],
+                    self.actor_restarts[name],
                 )
             status = trio.TASK_STATUS_IGNORED
             if trio.current_time() - started >= self.limits.restart_backoff_max_s:
@@ -456,7 +498,8 @@ class Supervisor:
     async def _pipeline(
         self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
     ) -> DoneEvent:
-        plan = self.plan(record.request)
+        route = self.route(record.request)
+        plan = [actor for actor in self._plans[route.model] if actor.applies_to(record.request)]
         # Fail fast: a stage whose pool has no usable worker would fail the
         # request anyway, after the stages before it did their work for nothing
         # (and left a prefilled KV handle to release).  Busy workers are usable.
@@ -464,7 +507,9 @@ class Supervisor:
             if not actor.pool.has_usable():
                 raise actor.pool.refusal()
         record.lifecycle.advance(Phase.PLANNED)
-        context = StageContext(record.request, worker_request_id(record.request.request_id))
+        context = StageContext(
+            record.request, worker_request_id(record.request.request_id), adapter=route.adapter
+        )
         index = 0
         while index < len(plan):
             actor = plan[index]
@@ -706,15 +751,33 @@ class Supervisor:
                     logger.warning("request %s: cleanup failed: %s", record.request.request_id, exc)
 
 
-def _check_topology(actors: list[BaseActor]) -> None:
+def _plans_by_model(ordered: list[BaseActor]) -> dict[str | None, list[BaseActor]]:
+    """Each model's actors, in plan order; each model's topology checked.
+
+    Raises:
+        ConfigError: a model's stages (or no stages at all) do not form a topology.
+    """
+    plans: dict[str | None, list[BaseActor]] = {}
+    for actor in ordered:
+        plans.setdefault(actor.pool.model, []).append(actor)
+    if not plans:
+        _check_topology([], "")
+    for model, actors in plans.items():
+        _check_topology(actors, "" if model is None else f" of model {model!r}")
+    return plans
+
+
+def _check_topology(actors: list[BaseActor], of_model: str) -> None:
     stages = {actor.stage for actor in actors}
     outputs = [actor.stage for actor in actors if actor.produces_output]
     if len(outputs) != 1:
         raise ConfigError(
-            f"pools: exactly one output stage must be configured, got {outputs or 'none'} "
-            "(configure decode with prefill, or pd)"
+            f"pools{of_model}: exactly one output stage must be configured, got "
+            f"{outputs or 'none'} (configure decode with prefill, or pd)"
         )
     for actor in actors:
         missing = [stage for stage in actor.requires if stage not in stages]
         if missing:
-            raise ConfigError(f"pools.{actor.stage}: needs pools {missing} configured as well")
+            raise ConfigError(
+                f"pools.{actor.stage}{of_model}: needs pools {missing} configured as well"
+            )

@@ -167,12 +167,13 @@ class BaseActor:
         only for a pool whose policy reads them.
         """
         policy = self.pool.policy
+        adapter = job.context.adapter
         if not policy.uses_affinity and not policy.uses_prompt:
-            return RouteKey(job.request_id)
+            return RouteKey(job.request_id, adapter=adapter)
         request = job.context.request
         affinity = request.session_key or _prompt_affinity(request)
         prompt = routed_prompt(request) if policy.uses_prompt else None
-        return RouteKey(job.request_id, affinity, prompt)
+        return RouteKey(job.request_id, affinity, prompt, adapter)
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
         """Do the job on ``backend`` and send its events on ``job.reply``.

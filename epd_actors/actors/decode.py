@@ -49,6 +49,7 @@ class DecodeActor(BaseActor):
             kv_transfer_params=context.kv_transfer_params,
             ec_transfer_params=context.ec_transfer_params,
             options=request.options,
+            lora_adapter=context.adapter,
         )
         try:
             await self.stream_output(job, backend, generate)

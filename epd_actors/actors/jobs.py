@@ -60,11 +60,13 @@ class StageContext:
 
     ``wire_id`` is the id the workers see (``request_id`` plus a unique suffix,
     so two clients reusing an id never collide on a worker); empty means the
-    request id itself.
+    request id itself.  ``adapter`` is the LoRA adapter the request's model
+    names (None: the base model), which stage requests carry.
     """
 
     request: GenerationRequest
     wire_id: str = ""
+    adapter: str | None = None
     ec_transfer_params: dict[str, object] | None = None
     kv_transfer_params: dict[str, object] | None = None
     prompt_tokens: int | None = None

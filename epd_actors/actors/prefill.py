@@ -41,6 +41,7 @@ class PrefillActor(BaseActor):
                 request.sampling,
                 ec_transfer_params=context.ec_transfer_params,
                 options=request.options,
+                lora_adapter=context.adapter,
             )
         )
         kv = result.kv_transfer_params

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from collections.abc import Collection
     from contextlib import AbstractAsyncContextManager
 
+    from ..lora import LoraAdapter
     from ..protocol import Delta, EncodeRequest, GenerateRequest, PrefillRequest, StageResult
 
 
@@ -42,12 +43,20 @@ class WorkerRequirement:
         stage: the pool's stage (named in refusals).
         roles: the worker roles that may serve the stage (the stage actor's
             ``worker_roles``); empty: any role.
-        model: the model the router serves; None: any model.
+        model: the model the pool serves; None: any model.
+        loadable_adapters: LoRA adapters of that model the backend may load
+            on its worker at run time, before a request that names one (the
+            pool's ``lora_loading``); empty: it loads none.
     """
 
     stage: str = ""
     roles: frozenset[str] = frozenset()
     model: str | None = None
+    loadable_adapters: tuple[LoraAdapter, ...] = ()
+
+    def loadable(self, adapter: str) -> LoraAdapter | None:
+        """The adapter ``adapter`` if the backend may load it at run time, else None."""
+        return next((a for a in self.loadable_adapters if a.name == adapter), None)
 
     def problem(
         self,
@@ -97,6 +106,9 @@ class BackendStatus:
         refusals: how often it was refused (observability).
         max_concurrency: the jobs the worker said it runs at once (0: not
             announced); the pool sends it no more than that.
+        adapters: the LoRA adapters the worker has loaded, as far as the
+            backend knows (announced, listed, or loaded through it); the pool
+            prefers these workers for a request naming one.
     """
 
     connected: bool
@@ -108,6 +120,7 @@ class BackendStatus:
     refused: str | None = None
     refusals: int = 0
     max_concurrency: int = 0
+    adapters: frozenset[str] = frozenset()
 
 
 class DeltaStream(Protocol):

@@ -21,6 +21,7 @@ import trio
 from .._groups import single_exception
 from ..errors import EngineCrashed, EngineError, RemoteWorkerError, WorkerDisconnected
 from ..limits import CLEANUP_TIMEOUT_S, WORKER_DELTA_BUFFER
+from ..lora import announced_adapters
 from ..protocol import Delta, EncodeRequest, PrefillRequest
 from ..worker.engine import check_options
 from .base import BackendStatus, WorkerRequirement
@@ -95,6 +96,7 @@ class InProcessBackend:
             worker_aborts=self.aborts_sent,
             refused=self.refused,
             refusals=int(self.refused is not None),
+            adapters=announced_adapters(self.engine.capabilities),
         )
 
     def expect(self, requirement: WorkerRequirement) -> None:

@@ -98,6 +98,7 @@ from ..errors import (
     WorkerDisconnected,
 )
 from ..limits import CLEANUP_TIMEOUT_S
+from ..lora import announced_adapters
 from ..protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -242,6 +243,7 @@ class NativeBackend:
             refused=self._refused,
             refusals=self._refusals,
             max_concurrency=0 if conn is None else conn.welcome.max_concurrency,
+            adapters=frozenset() if conn is None else announced_adapters(conn.welcome.capabilities),
         )
 
     def expect(self, requirement: WorkerRequirement) -> None:

@@ -23,10 +23,22 @@ timeout or the stage's deadline, since a stalled server (``SIGSTOP``) answers
 nothing, not even an error.
 
 The same probe then reads ``GET /v1/models``: a server that does not serve the
-router's model is *refused* (logged at error level, ``status().refused``, never
-routed to) until a later probe finds the model.  A server that answers a stage
-request with ``unsupported_stage`` (it runs another role) is refused too, until
-the probes see it go down and come back (a restart).
+pool's model is *refused* (logged at error level, ``status().refused``, never
+routed to) until a later probe finds the model.  The cards whose ``parent`` is
+that model are the LoRA adapters it has loaded (``status().adapters``).
+
+LoRA adapters.  A request naming an adapter sends the adapter's name as the
+body's ``model`` (vLLM routes adapters by that name).  When the worker has
+not loaded it and the pool allows loading it (``requirement.loadable``), it is
+loaded first with ``POST /v1/load_lora_adapter`` -- once per worker: requests
+arriving meanwhile wait for that load (:class:`~epd_actors.lora.AdapterLoads`)
+-- within ``lora_load_timeout_s``; a refused, failed or late load is
+``AdapterLoadFailed`` (retryable: the request moves to another worker).  What
+was loaded is forgotten when the worker goes down (it may come back restarted).
+
+A server that answers a stage request with ``unsupported_stage`` (it runs
+another role) is refused too, until the probes see it go down and come back
+(a restart).
 
 Stage requests become vLLM's disaggregated contract
 (:mod:`.openai_http_contract` builds every body):
@@ -82,8 +94,9 @@ import trio
 
 from .._groups import single_exception
 from ..config import check_http_url
-from ..errors import RemoteWorkerError, WorkerDisconnected
+from ..errors import AdapterLoadFailed, RemoteWorkerError, WorkerDisconnected
 from ..limits import CLEANUP_TIMEOUT_S
+from ..lora import LOAD_LORA_PATH, AdapterLoads, listed_adapters
 from ..protocol import EncodeRequest, ErrorCode, StageResult
 from .base import BackendStatus, WorkerRequirement
 from .openai_http_client import (
@@ -128,6 +141,7 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from ..config import RouterConfig, WorkerEndpoint
+    from ..lora import LoraAdapter
     from ..protocol import Delta, GenerateRequest, PrefillRequest
 
 __all__ = [
@@ -157,6 +171,7 @@ def _tls_context() -> ssl.SSLContext:
 _DRAIN_S: Final = 1.0
 """How long a finished stream may take to deliver the end of its body (seconds)."""
 _MAX_PROBE_BYTES: Final = 64 * 1024
+
 """The largest ``/health`` answer read (bytes)."""
 _encode_json: Final = json.JSONEncoder(separators=(",", ":")).encode
 """Request bodies as compact JSON (one encoder for the process, not one per call)."""
@@ -364,6 +379,7 @@ class OpenAIHttpBackend:
         self._model_problem: str | None = None  # from the latest readable /v1/models
         self._stage_problem: str | None = None  # from an unsupported_stage answer
         self._served: tuple[str, ...] | None = None
+        self._lora = AdapterLoads()
         self._refused: str | None = None
         self._refusals = 0
         self._streams: set[OpenAIHttpDeltaStream] = set()  # open generate streams
@@ -395,7 +411,13 @@ class OpenAIHttpBackend:
             aborts_sent=self._aborts_sent,
             refused=self._refused,
             refusals=self._refusals,
+            adapters=self._lora.loaded,
         )
+
+    @property
+    def adapter_loads(self) -> int:
+        """``POST /v1/load_lora_adapter`` calls this backend started."""
+        return self._lora.loads
 
     def expect(self, requirement: WorkerRequirement) -> None:
         """Check the served models against ``requirement`` (the latest list at once).
@@ -544,7 +566,10 @@ class OpenAIHttpBackend:
             logger.debug("worker %s: /v1/models answered %s", self.worker_id, response.status)
             return None
         try:
-            return served_models(json_object(data))
+            listing = json_object(data)
+            served = served_models(listing)
+            self._lora.announced = listed_adapters(listing, self.model)
+            return served
         except ReplyError as exc:
             logger.debug("worker %s: unreadable /v1/models: %s", self.worker_id, exc)
             return None
@@ -595,6 +620,7 @@ class OpenAIHttpBackend:
                 scope.cancel(reason=f"worker {self.worker_id} went down: {why}")
 
     def _set_down(self, why: str, *, expected: bool = False) -> None:
+        self._lora.forget()
         if self._reachable.force_down() | self._healthy.force_down():
             self._announce(why, expected=expected)
 
@@ -741,8 +767,11 @@ class OpenAIHttpBackend:
         return StageResult(request.request_id, ec_transfer_params=merged or None)
 
     async def _prefill(self, request: PrefillRequest) -> StageResult:
+        await self._ensure_adapter(request.lora_adapter)
         call = prefill_call(
-            request, model=self.model, return_token_ids=self.settings.return_token_ids
+            request,
+            model=request.lora_adapter or self.model,
+            return_token_ids=self.settings.return_token_ids,
         )
         reply = await self._post(call, "prefill")
         with self._mapped("prefill", call.request_id):
@@ -768,8 +797,11 @@ class OpenAIHttpBackend:
         KV blocks it was pulling).  Closing is shielded and bounded.
         Backpressure: see :meth:`OpenAIHttpDeltaStream.receive`.
         """
+        await self._ensure_adapter(request.lora_adapter)
         call = generate_call(
-            request, model=self.model, return_token_ids=self.settings.return_token_ids
+            request,
+            model=request.lora_adapter or self.model,
+            return_token_ids=self.settings.return_token_ids,
         )
         client = self._require_client()
         kv = request.kv_transfer_params
@@ -811,6 +843,53 @@ class OpenAIHttpBackend:
                 await reply.aclose(drain_s=_DRAIN_S if finished else 0.0)
         finally:
             self._in_flight -= 1
+
+    # ------------------------------------------------------------ LoRA adapters
+
+    async def _ensure_adapter(self, name: str | None) -> None:
+        """Load adapter ``name`` first, if the worker lacks it and the pool allows loading it.
+
+        Raises:
+            AdapterLoadFailed: the load was refused, failed, or took longer
+                than ``lora_load_timeout_s``.
+
+        Cancellation: safe; a load cancelled here is started again by the next request.
+        Backpressure: requests for an adapter being loaded wait for that one load.
+        """
+        adapter = None if name is None else self.requirement.loadable(name)
+        if adapter is None or adapter.name in self._lora.loaded:
+            return
+        await self._lora.ensure(adapter.name, functools.partial(self._load_adapter, adapter))
+
+    async def _load_adapter(self, adapter: LoraAdapter) -> None:
+        """``POST /v1/load_lora_adapter`` once, within ``lora_load_timeout_s``.
+
+        Raises:
+            AdapterLoadFailed: any answer but 200, no answer in time, or no connection.
+        """
+        client = self._require_client()
+        body: dict[str, object] = {"lora_name": adapter.name, "lora_path": adapter.path}
+        call = HttpCall(LOAD_LORA_PATH, body, f"load-lora-{secrets.token_hex(4)}")
+        timeout = self.settings.lora_load_timeout_s
+        logger.info("worker %s: loading LoRA adapter %r", self.worker_id, adapter.name)
+        with trio.move_on_after(timeout):
+            try:
+                reply = await self._send(client, call)
+                try:
+                    data = await reply.read_all(_MAX_PROBE_BYTES)
+                finally:
+                    await reply.aclose()
+            except HttpClientError as exc:
+                raise self._load_failed(adapter, f"the request failed: {exc}") from None
+            if reply.status != 200:
+                why = error_message(data) or f"HTTP {reply.status}"
+                raise self._load_failed(adapter, f"it answered {reply.status}: {why}")
+            return
+        raise self._load_failed(adapter, f"no answer within {timeout:g}s")
+
+    def _load_failed(self, adapter: LoraAdapter, why: str) -> AdapterLoadFailed:
+        logger.warning("worker %s: loading LoRA adapter %r: %s", self.worker_id, adapter.name, why)
+        return AdapterLoadFailed(why, adapter=adapter.name, worker_id=self.worker_id)
 
     # ------------------------------------------------------------ release
 
@@ -915,11 +994,12 @@ class OpenAIHttpBackendFactory:
                 added at run time has not been validated with the config).
         """
         check_http_url(endpoint.address, key=f"worker {endpoint.worker_id!r} address")
-        stage = next((p.stage for p in config.pools if endpoint in p.workers), "")
+        pool = next((p for p in config.pools if endpoint in p.workers), None)
+        stage = "" if pool is None else pool.stage
         backend = OpenAIHttpBackend(
             endpoint.worker_id,
             endpoint.address,
-            model=config.model,
+            model=config.model if pool is None else config.pool_model(pool),
             settings=self.settings,
             ledger=self.ledger,
             stage=stage,

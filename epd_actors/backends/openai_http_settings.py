@@ -36,6 +36,7 @@ _DURATIONS: Final = (
     "health_interval_s",
     "health_timeout_s",
     "kv_lease_s",
+    "lora_load_timeout_s",
 )
 _COUNTS: Final = (
     "max_connections",
@@ -82,6 +83,9 @@ class OpenAIHttpSettings:
             ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, seconds); past it a hand-off
             is not consumed, since the blocks may belong to someone else by then.
         ledger_capacity: hand-offs remembered for ``consume`` (oldest dropped).
+        lora_load_timeout_s: one run-time LoRA adapter load
+            (``POST /v1/load_lora_adapter``; seconds); past it the request
+            moves to another worker (``AdapterLoadFailed``).
     """
 
     connect_timeout_s: float = 5.0
@@ -102,6 +106,7 @@ class OpenAIHttpSettings:
     release_policy: str = "expire"
     kv_lease_s: float = 480.0
     ledger_capacity: int = 4096
+    lora_load_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in _DURATIONS:

@@ -16,11 +16,12 @@ from .media import MediaLimits
 from .openai_fields import STRICT_FIELDS, FieldPolicy
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Sequence
     from contextlib import AbstractAsyncContextManager
 
     import trio
 
+    from ..models import ModelCard
     from ..request import DirectDeltas, GenerationEvent, GenerationRequest
     from ..router import Router
 
@@ -95,8 +96,12 @@ class HttpApp(Protocol):
         """
         ...
 
-    def models(self) -> list[str]:
-        """The model names served (``/v1/models``; requests must name one)."""
+    def models(self) -> Sequence[str | ModelCard]:
+        """The models served (``/v1/models``; requests must name one).
+
+        A plain name is a model; a :class:`~epd_actors.models.ModelCard` may
+        name a LoRA adapter's ``parent`` model.
+        """
         ...
 
     def health(self) -> tuple[int, dict[str, object]]:
@@ -129,8 +134,9 @@ class RouterHttpApp:
     ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
         return self.router.generate(request, direct=direct)
 
-    def models(self) -> list[str]:
-        return [self.router.config.model]
+    def models(self) -> Sequence[str | ModelCard]:
+        """Every model the pools serve, then every LoRA adapter (configured or announced)."""
+        return self.router.model_cards()
 
     def health(self) -> tuple[int, dict[str, object]]:
         stats = self.router.statistics()

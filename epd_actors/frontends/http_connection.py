@@ -52,6 +52,7 @@ import trio
 
 from .._groups import single_exception
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
+from ..models import model_ids, model_list_body
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
 from ..transport import send_some_nowait
 from .body_checks import reject_lone_surrogates, unknown_model
@@ -279,7 +280,7 @@ class HttpConnection:
             return
         await self._read_body(0)
         if path == "/v1/models":
-            await self._send_json(200, _models_body(self.app.models()))
+            await self._send_json(200, model_list_body(self.app.models()))
         elif path == "/health":
             status, health = self.app.health()
             await self._send_json(status, health)
@@ -420,7 +421,7 @@ class HttpConnection:
                 f"x-epd-priority must be one of {', '.join(PRIORITIES)}", param="x-epd-priority"
             )
         parsed = replace(parsed, priority=priority)
-        if parsed.model not in self.app.models():
+        if parsed.model not in model_ids(self.app.models()):
             raise unknown_model(parsed.model)
         if parsed.pending:
             parsed = await resolve_media(parsed, limits=self.settings.media, fetcher=self._fetcher)
@@ -670,10 +671,3 @@ class HttpConnection:
                 exchange.sent,
                 (trio.current_time() - exchange.started) * 1000,
             )
-
-
-def _models_body(models: list[str]) -> dict[str, object]:
-    data = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "epd_actors"} for name in models
-    ]
-    return {"object": "list", "data": data}

@@ -3,6 +3,7 @@
 =========================================  ======  =================================
 error                                      status  notes
 =========================================  ======  =================================
+``ModelNotFound``                           404     ``model_not_found``, ``param`` model
 ``InvalidRequest``, ``ConfigError``         400     ``param`` names the field
 ``Unauthorized``                            401
 ``HttpError`` (front-end refusals)          its own 404, 405, 408, 413, 415, 431
@@ -26,6 +27,7 @@ from ..errors import (
     ActorCrashed,
     ConfigError,
     InvalidRequest,
+    ModelNotFound,
     NoHealthyWorker,
     Overloaded,
     RemoteWorkerError,
@@ -88,6 +90,8 @@ def error_response(exc: BaseException) -> ErrorResponse | None:
 def _classify(
     exc: BaseException,
 ) -> tuple[int, str, str | None, str | None, tuple[tuple[str, str], ...]]:
+    if isinstance(exc, ModelNotFound):
+        return 404, "not_found_error", exc.code, exc.param, ()
     if isinstance(exc, InvalidRequest):
         return 400, "invalid_request_error", exc.code, exc.param, ()
     if isinstance(exc, ConfigError):

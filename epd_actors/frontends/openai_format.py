@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, Protocol
 
 from ..protocol import merge_delta_fields
 
@@ -39,6 +39,23 @@ if TYPE_CHECKING:
     from ..request import DeltaEvent
 
 Kind = Literal["chat", "completion"]
+
+
+class OutputPiece(Protocol):
+    """What an answer is built from: a router ``DeltaEvent`` or a wire ``Delta`` alike."""
+
+    @property
+    def text(self) -> str: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def logprobs(self) -> Sequence[float] | None: ...
+    @property
+    def tokens(self) -> Sequence[str] | None: ...
+    @property
+    def top_logprobs(self) -> Sequence[tuple[TokenLogprob, ...]] | None: ...
+    @property
+    def fields(self) -> dict[str, object] | None: ...
 
 
 DONE_EVENT: Final = "data: [DONE]\n\n"
@@ -369,7 +386,7 @@ class AnswerBuilder:
         self._tops: list[tuple[TokenLogprob, ...] | None] = []
         self._fields: dict[str, object] | None = None
 
-    def add(self, event: DeltaEvent) -> None:
+    def add(self, event: OutputPiece) -> None:
         """Take one delta's output."""
         self._texts.append(event.text)
         if event.fields:

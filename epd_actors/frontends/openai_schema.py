@@ -175,6 +175,7 @@ class ParsedRequest:
             session_key=self.session_key,
             priority=self.priority,
             options=self.options,
+            model=self.model,
         )
 
     def with_media(self, items: tuple[MediaItem, ...]) -> ParsedRequest:

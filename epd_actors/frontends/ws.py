@@ -51,7 +51,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Final, NoReturn, Protocol
 from urllib.parse import parse_qs
@@ -624,7 +624,7 @@ class WsConnection:
             return error_message(message.id, exc)
         # Nothing may raise inside this block on purpose: the router's nursery
         # would wrap it in an exception group.
-        async with self._server.app.generate(parsed.request) as events:
+        async with self._server.app.generate(self._router_request(parsed)) as events:
             final = await self._stream(message.id, events, outgoing, logprobs=parsed.logprobs)
         if isinstance(final, DoneEvent):
             return done_message(message.id, final, request_id=parsed.request_id)
@@ -649,6 +649,11 @@ class WsConnection:
         if models and parsed.model not in models:
             raise unknown_model(parsed.model)
         return parsed
+
+    def _router_request(self, parsed: ParsedRequest) -> GenerationRequest:
+        """What the router runs: configured ``models`` are names of the router's default model."""
+        request = parsed.request
+        return replace(request, model=None) if self._settings.models else request
 
     async def _stream(
         self,

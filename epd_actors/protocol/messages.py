@@ -32,7 +32,10 @@ from .schema import Struct, compile_struct, require
 PROTOCOL_VERSION = 2
 """The version this package speaks.  Version 2 added the request ``options``,
 ``ChatMessage.fields``, the optional sampling fields, the ``Delta`` fields
-``tokens``, ``top_logprobs`` and ``fields``, and ``ErrorReply.param``."""
+``tokens``, ``top_logprobs`` and ``fields``, and ``ErrorReply.param``; later
+in version 2, the optional ``lora_adapter`` of prefill and generate requests
+(sent only for a request naming an adapter, so a worker that predates it
+serves every other request as before)."""
 
 SUPPORTED_PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2)
 """Versions a worker accepts.  A version-1 client sends a subset of version 2
@@ -261,6 +264,7 @@ class PrefillRequest:
     kv_transfer_params: dict[str, object] | None = None
     ec_transfer_params: dict[str, object] | None = None
     options: dict[str, object] | None = None
+    lora_adapter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +277,12 @@ class GenerateRequest:
     ``tools``, ``chat_template_kwargs``...; docs/http.md lists them).  An
     engine that cannot honour one refuses the request with
     ``invalid_request`` and ``param`` naming it; it never ignores one.
+
+    ``lora_adapter`` (also on :class:`PrefillRequest`) names the LoRA adapter
+    to apply, one the worker announced (``lora:NAME`` in its ``Welcome``
+    capabilities); None, and left off the wire, for the base model.  A
+    worker refuses an adapter it does not serve (``invalid_request``,
+    ``param`` ``model``).
     """
 
     TAG: ClassVar[str] = "generate"
@@ -283,6 +293,7 @@ class GenerateRequest:
     kv_transfer_params: dict[str, object] | None = None
     ec_transfer_params: dict[str, object] | None = None
     options: dict[str, object] | None = None
+    lora_adapter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

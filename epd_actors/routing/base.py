@@ -59,11 +59,15 @@ class RouteKey:
             -- for policies that match it against what each worker was sent
             (:class:`~.cache_aware.CacheAware`).  ``None``: not computed,
             because the pool's policy does not read it.
+        adapter: the LoRA adapter the request names, or None; the pool offers
+            the policy only the workers that have it loaded, when any has
+            room (``WorkerPool.try_lease``).
     """
 
     request_id: str
     affinity: str | None = None
     prompt: str | tuple[int, ...] | None = None
+    adapter: str | None = None
 
 
 class Policy(Protocol):

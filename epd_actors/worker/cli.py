@@ -55,6 +55,15 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--worker-id", default=None, help="default: <role>-<pid>")
     parser.add_argument("--model", default="sim-model", help="model name announced to routers")
+    parser.add_argument(
+        "--lora-adapter",
+        dest="lora_adapters",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a LoRA adapter of --model the worker serves (repeatable; --engine sim): "
+        "announced to routers, and a request naming another adapter is refused",
+    )
     auth = parser.add_mutually_exclusive_group()
     auth.add_argument(
         "--auth-token-file", default=None, help=f"file holding the token (else ${AUTH_TOKEN_ENV})"
@@ -144,6 +153,7 @@ def build_worker(args: argparse.Namespace) -> WorkerServer:
         ec_store=stores.ec,
         kv_store=stores.kv,
         model=args.model,
+        lora_adapters=args.lora_adapters,
     )
     return WorkerServer(engine, config)
 
@@ -162,6 +172,7 @@ def build_openai_server(args: argparse.Namespace) -> SimOpenAIServer:
         ec_store=stores.ec,
         kv_store=stores.kv,
         model=args.model,
+        lora_adapters=args.lora_adapters,
     )
     return SimOpenAIServer(engine, worker_id=worker_id)
 
@@ -175,6 +186,8 @@ def _run_vllm_worker(args: argparse.Namespace) -> None:
     )
 
     config = worker_config_from_args(args)
+    if args.lora_adapters:
+        raise ConfigError("--lora-adapter is for --engine sim; vLLM takes --lora-modules after --")
     if args.model == "sim-model":
         raise ConfigError("--engine vllm needs --model (a model directory or Hugging Face id)")
     options = vllm_options_from_args(args)

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
 from ..errors import EngineError
+from ..lora import announced_adapters
 from ..protocol import (
     Delta,
     EncodeRequest,
@@ -78,7 +79,7 @@ class Engine(Protocol):
 
 
 def check_options(request: StageRequest, engine: Engine) -> None:
-    """Refuse a request carrying an option the engine cannot honour.
+    """Refuse a request carrying an option, or a LoRA adapter, the engine cannot honour.
 
     An option an engine does not apply would change the answer without
     anybody seeing it, so the request fails instead, naming the field.
@@ -86,9 +87,26 @@ def check_options(request: StageRequest, engine: Engine) -> None:
     Raises:
         EngineError: ``invalid_request``, with ``param`` naming the first such option.
     """
-    if isinstance(request, EncodeRequest) or not request.options:
+    if isinstance(request, EncodeRequest):
         return
-    check_option_names(request.options, engine)
+    check_adapter(request.lora_adapter, engine)
+    if request.options:
+        check_option_names(request.options, engine)
+
+
+def check_adapter(adapter: str | None, engine: Engine) -> None:
+    """Refuse a LoRA adapter the engine does not announce (``lora:NAME`` capabilities).
+
+    Raises:
+        EngineError: ``invalid_request`` blaming ``model``.
+    """
+    if adapter is None or adapter in announced_adapters(engine.capabilities):
+        return
+    raise EngineError(
+        ErrorCode.INVALID_REQUEST,
+        f"this worker (model {engine.model}) does not serve the LoRA adapter {adapter!r}",
+        param="model",
+    )
 
 
 def check_option_names(names: Iterable[str], engine: Engine) -> None:

@@ -6,7 +6,8 @@ Theory of operation
 stock ``vllm serve`` instance of that role offers a disaggregating router:
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed or not),
 ``GET /health`` (200 while the engine is ready, else 503), ``GET
-/v1/models`` and ``GET /metrics`` (the two gauges of vLLM's Prometheus
+/v1/models`` (the model and its LoRA adapters), ``POST
+/v1/load_lora_adapter`` (:mod:`.sim_lora`) and ``GET /metrics`` (the two gauges of vLLM's Prometheus
 endpoint a router reads: ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting``, labelled ``engine="0"`` and ``model_name``).
 Bodies go through the router's own OpenAI parser
@@ -85,9 +86,10 @@ from ..frontends.openai_format import (
 )
 from ..frontends.openai_schema import parse_chat_completion, parse_completion
 from ..limits import CLEANUP_TIMEOUT_S, RECEIVE_CHUNK_BYTES
-from ..output_relay import delta_event
+from ..lora import LOAD_LORA_PATH
 from ..protocol import EncodeRequest, ErrorCode, GenerateRequest, PrefillRequest, Role, Usage
 from .engine import check_option_names
+from .sim_lora import LoraRefused, SimLoraAdapters
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -256,6 +258,7 @@ class _Exchange:
     parsed: ParsedRequest
     body: dict[str, object]
     gone: bool = False
+    adapter: str | None = None  # the LoRA adapter the body's model names
 
     @property
     def options(self) -> dict[str, object] | None:
@@ -296,6 +299,7 @@ class SimOpenAIServer:
         self.port = 0
         self.connections = 0
         self.running = 0  # completion requests being served now
+        self.lora = SimLoraAdapters(engine.capabilities)
 
     def __repr__(self) -> str:
         return (
@@ -395,6 +399,8 @@ class SimOpenAIServer:
                 await self._send_json(conn, 200 if ready else 503, {} if ready else _not_ready())
             elif path == "/v1/models" and method == "GET":
                 await self._send_json(conn, 200, self._models())
+            elif path == LOAD_LORA_PATH and method == "POST":
+                await self._load_lora(conn, body)
             elif path == METRICS_PATH and method == "GET":
                 await self._send_text(conn, 200, self._metrics())
             elif path == DEBUG_PATH and method == "GET" and self.debug_routes:
@@ -407,9 +413,20 @@ class SimOpenAIServer:
             await self._send_error(conn, exc.status, str(exc), exc.code)
 
     def _models(self) -> dict[str, object]:
-        model = self.engine.model
-        card = {"id": model, "object": "model", "created": unix_time(), "owned_by": "epd_actors"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": self.lora.cards(self.engine.model, unix_time())}
+
+    async def _load_lora(self, conn: _Connection, raw: bytes) -> None:
+        """``POST /v1/load_lora_adapter``: 200 and vLLM's text, or 400 (see :mod:`.sim_lora`)."""
+        entry = self.log.add({"path": LOAD_LORA_PATH, "status": None})
+        try:
+            answer = self.lora.load(json.loads(raw), self.engine.model)
+        except (ValueError, RecursionError):
+            raise _Refused(400, "request body is not valid JSON") from None
+        except LoraRefused as exc:
+            self.log.update(entry, status=exc.status, outcome="refused")
+            raise _Refused(exc.status, str(exc)) from None
+        self.log.update(entry, status=200, outcome="loaded", lora_name=self.lora.loads[-1])
+        await self._send_text(conn, 200, answer)
 
     def _metrics(self) -> str:
         """vLLM's request gauges, one engine (``engine="0"``), in Prometheus text format."""
@@ -444,7 +461,11 @@ class SimOpenAIServer:
             parsed = parse(body, request_id=request_id, limits=self.settings.media, policy=_FIELDS)
             if parsed.pending:
                 raise InvalidRequest("the simulator accepts inline (data:) media only")
-            exchange = _Exchange(conn, request_id, entry, parsed, body)
+            try:
+                adapter = self.lora.adapter_for(body.get("model"), self.engine.model)
+            except LoraRefused as exc:
+                raise _Refused(exc.status, str(exc), "model_not_found") from None
+            exchange = _Exchange(conn, request_id, entry, parsed, body, adapter=adapter)
             self.running += 1
             try:
                 await self._run(exchange)
@@ -573,6 +594,7 @@ class SimOpenAIServer:
                 request.sampling,
                 ec_transfer_params=ec if isinstance(ec, dict) else None,
                 options=exchange.options,
+                lora_adapter=exchange.adapter,
             )
         )
         answer = self._body(exchange, "", "length", Usage(result.prompt_tokens, 1))
@@ -612,6 +634,7 @@ class SimOpenAIServer:
             else None,
             ec_transfer_params=ec if isinstance(ec, dict) else None,
             options=exchange.options,
+            lora_adapter=exchange.adapter,
         )
 
     async def _unary(self, exchange: _Exchange) -> None:
@@ -627,7 +650,7 @@ class SimOpenAIServer:
         final, parsed = deltas[-1], exchange.parsed
         answer = AnswerBuilder(parsed.kind, logprobs=parsed.logprobs)
         for delta in deltas:
-            answer.add(delta_event(delta))
+            answer.add(delta)
         body = answer.body(
             request_id=exchange.request_id,
             model=parsed.model,

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Final, NoReturn
 import trio
 
 from ...errors import EngineCrashed, EngineError
+from ...lora import lora_capabilities
 from ...protocol import (
     Delta,
     EncodeRequest,
@@ -72,7 +73,7 @@ from .sim_text import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterable, Iterator
 
     from ..engine import DeltaSink, Engine
     from .sim_store import EncoderCacheStore, KVStore
@@ -258,12 +259,14 @@ class SimEngine:
         ec_store, kv_store: shared with the engines of the other stages
             (``sim_store.create_sim_stores``).
         model: the model name the worker announces.
+        lora_adapters: the LoRA adapters it serves (announced as ``lora:NAME``
+            capabilities; a request naming another adapter is refused).
 
     Every stage coroutine raises ``EngineError`` for refusals and injected
     failures and ``EngineCrashed`` once the simulated engine has died.
     """
 
-    capabilities: tuple[str, ...] = ("sim",)
+    capabilities: tuple[str, ...]
     supported_options: frozenset[str] = SIM_OPTIONS
 
     def __init__(
@@ -275,9 +278,11 @@ class SimEngine:
         ec_store: EncoderCacheStore,
         kv_store: KVStore,
         model: str = "sim-model",
+        lora_adapters: Iterable[str] = (),
     ) -> None:
         self.role = Role(role)
         self.model = model
+        self.capabilities = ("sim", *lora_capabilities(lora_adapters))
         self.worker_id = worker_id
         self.config = config
         self._ec = ec_store
