@@ -94,6 +94,7 @@ class FakeParams:
 @dataclass
 class FakeLogprob:
     logprob: float
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -219,7 +220,17 @@ class FakeAsyncLLM:
                 ids = produced if final_only else [100 + i]
                 logprobs = None
                 if kwargs["logprobs"] is not None:
-                    logprobs = [{t: FakeLogprob(-(t - 99) / 10)} for t in ids]
+                    # As vLLM: per token, the sampled one first, then the most likely others.
+                    logprobs = [
+                        {
+                            t: FakeLogprob(-(t - 99) / 10, f"t{t - 100} "),
+                            **{
+                                900 + j: FakeLogprob(-(t - 99) / 10 - 1 - j, f"alt{j}")
+                                for j in range(kwargs["logprobs"])
+                            },
+                        }
+                        for t in ids
+                    ]
                 completion = FakeCompletion(
                     list(ids),
                     "".join(f"t{t - 100} " for t in ids),
@@ -500,6 +511,29 @@ async def test_encode_runs_each_distinct_item_once_as_a_one_token_chat() -> None
         "mm-e1:0": {"item_indices": [0]},
         "mm-e1:1": {"item_indices": [0]},
     }
+
+
+async def test_logprob_alternatives_come_with_each_token_s_text() -> None:
+    """``top_logprobs`` asks for alternatives: each token's text and its first k candidates."""
+    fake = FakeAsyncLLM()
+    async with open_fake(fake, Role.PD, factory_log=[]) as engine:
+        deltas = await collect(
+            engine,
+            GenerateRequest(
+                "g1",
+                Prompt(token_ids=(5, 6)),
+                sampling=SamplingParams(max_tokens=3, temperature=0.0, logprobs=2),
+            ),
+        )
+    tokens = [t for d in deltas for t in d.tokens or ()]
+    assert tokens == ["t0 ", "t1 ", "t2 "]
+    top = [alternatives for d in deltas for alternatives in d.top_logprobs or ()]
+    assert [[c.token for c in alternatives] for alternatives in top] == [
+        ["t0 ", "alt0"],
+        ["t1 ", "alt0"],
+        ["t2 ", "alt0"],
+    ]
+    assert top[0][1].logprob == pytest.approx(-1.1)
 
 
 async def test_decode_streams_deltas_with_usage_and_logprobs() -> None:
@@ -1029,3 +1063,34 @@ def test_worker_with_vllm_engine_but_no_vllm_exits_2_with_install_hint() -> None
     assert completed.returncode == 2, completed.stderr
     assert VLLM_MISSING in completed.stderr
     assert "pip install 'epd_actors[vllm]'" in completed.stderr
+
+
+def test_template_options_reach_the_chat_template_as_vllm_passes_them() -> None:
+    """Explicit fields first, then ``chat_template_kwargs`` over them (vLLM's order)."""
+    from epd_actors.worker.engines.vllm_io import render_prompt
+
+    seen: list[dict[str, object]] = []
+
+    class Recording:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, conversation: object, **options: object) -> str:
+            seen.append(options)
+            return "rendered"
+
+    prompt = Prompt(messages=(ChatMessage("user", ("hi",)),))
+    options = {
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False, "continue_final_message": False},
+    }
+    rendered = render_prompt(prompt, (), tokenizer=Recording(), options=options)
+    assert rendered.prompt == {"prompt": "rendered"}
+    assert seen == [
+        {
+            "tokenize": False,
+            "add_generation_prompt": False,
+            "continue_final_message": False,
+            "enable_thinking": False,
+        }
+    ]

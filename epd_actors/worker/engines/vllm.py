@@ -446,7 +446,10 @@ class VllmEngine:
             request.sampling, output_kind="delta", extra_args=extra, options=request.options
         )
         accumulator = StreamAccumulator(
-            request.request_id, want_logprobs=request.sampling.logprobs is not None, start=start
+            request.request_id,
+            want_logprobs=request.sampling.logprobs is not None,
+            start=start,
+            alternatives=request.sampling.logprobs or 0,
         )
         async with self._tracking(request.request_id) as live:
             self._submitted(request.request_id, live)

@@ -19,7 +19,16 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from ...errors import EngineError
-from ...protocol import ChatMessage, Delta, ErrorCode, MediaItem, Prompt, SamplingParams, Usage
+from ...protocol import (
+    ChatMessage,
+    Delta,
+    ErrorCode,
+    MediaItem,
+    Prompt,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -284,12 +293,12 @@ def _apply_template(
             "the model has no chat template; start the worker with --chat-template",
         )
     options: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
-    kwargs = template_options.get("chat_template_kwargs")
-    if isinstance(kwargs, dict):
-        options.update(kwargs)
     for name in ("add_generation_prompt", "continue_final_message"):
         if name in template_options:
             options[name] = template_options[name]
+    kwargs = template_options.get("chat_template_kwargs")
+    if isinstance(kwargs, dict):  # last, as vLLM's server lays them over its own arguments
+        options.update(kwargs)
     if template is not None:
         options["chat_template"] = template
     try:
@@ -382,17 +391,53 @@ def check_finish(reason: str | None, vllm_id: str) -> None:
         )
 
 
-def _sampled_logprobs(output: CompletionOutputLike) -> list[float] | None:
-    """The sampled tokens' logprobs (vLLM gives, per token, top candidates plus it)."""
-    entries = output.logprobs
-    token_ids = list(output.token_ids)
-    if entries is None or len(entries) != len(token_ids):
-        return None
-    values: list[float] = []
-    for entry, token_id in zip(entries, token_ids, strict=True):
-        found = entry[token_id]
-        values.append(float(getattr(found, "logprob", found)))
-    return values
+@dataclass(slots=True)
+class _TokenLogprobs:
+    """The log-probability parts of a run of sampled tokens: what a ``Delta`` carries.
+
+    ``tokens`` and ``top`` stay lists only while every token had them (vLLM
+    gives each candidate's ``decoded_token`` when it detokenizes); a token
+    without one turns them to None, as the ``Delta`` invariants want.
+    """
+
+    values: list[float]
+    tokens: list[str] | None
+    top: list[tuple[TokenLogprob, ...]] | None
+
+    def extend(self, output: CompletionOutputLike, alternatives: int) -> bool:
+        """Add ``output``'s tokens; False when vLLM gave no logprobs for them."""
+        entries = output.logprobs
+        token_ids = list(output.token_ids)
+        if entries is None or len(entries) != len(token_ids):
+            return False
+        for entry, token_id in zip(entries, token_ids, strict=True):
+            found = entry[token_id]
+            self.values.append(float(getattr(found, "logprob", found)))
+            text = getattr(found, "decoded_token", None)
+            if self.tokens is not None:
+                self.tokens = [*self.tokens, text] if isinstance(text, str) else None
+            if self.top is not None:
+                self.top = _with_alternatives(self.top, entry, alternatives)
+        return True
+
+
+def _with_alternatives(
+    top: list[tuple[TokenLogprob, ...]], entry: Mapping[int, Any], alternatives: int
+) -> list[tuple[TokenLogprob, ...]] | None:
+    """``top`` plus one token's first ``alternatives`` candidates, in vLLM's order.
+
+    vLLM's OpenAI server lists a position's candidates in the order of its
+    logprobs dictionary (the sampled token, then the most likely ones) and
+    stops at ``top_logprobs``; a candidate without its text makes it None.
+    """
+    candidates: list[TokenLogprob] = []
+    for candidate in list(entry.values())[:alternatives]:
+        text = getattr(candidate, "decoded_token", None)
+        if not isinstance(text, str):
+            return None
+        candidates.append(TokenLogprob(text, float(candidate.logprob)))
+    top.append(tuple(candidates))
+    return top
 
 
 class StreamAccumulator:
@@ -405,6 +450,7 @@ class StreamAccumulator:
     """
 
     __slots__ = (
+        "alternatives",
         "completion_tokens",
         "finish_reason",
         "first_at",
@@ -414,9 +460,12 @@ class StreamAccumulator:
         "want_logprobs",
     )
 
-    def __init__(self, request_id: str, *, want_logprobs: bool, start: float) -> None:
+    def __init__(
+        self, request_id: str, *, want_logprobs: bool, start: float, alternatives: int = 0
+    ) -> None:
         self.request_id = request_id
         self.want_logprobs = want_logprobs
+        self.alternatives = alternatives
         self.start = start
         self.completion_tokens = 0
         self.prompt_tokens = 0
@@ -431,7 +480,8 @@ class StreamAccumulator:
         """
         token_ids: list[int] = []
         texts: list[str] = []
-        logprobs: list[float] | None = [] if self.want_logprobs else None
+        logprobs = _TokenLogprobs([], [], [] if self.alternatives else None)
+        complete = self.want_logprobs
         for output in outputs:
             if output.prompt_token_ids is not None:
                 self.prompt_tokens = len(output.prompt_token_ids)
@@ -443,15 +493,16 @@ class StreamAccumulator:
                 continue
             token_ids.extend(completion.token_ids)
             texts.append(completion.text)
-            if logprobs is not None:
-                sampled = _sampled_logprobs(completion)
-                logprobs = None if sampled is None else [*logprobs, *sampled]
+            if complete:
+                complete = logprobs.extend(completion, self.alternatives)
         self.completion_tokens += len(token_ids)
         delta = Delta(
             self.request_id,
             token_ids=tuple(token_ids),
             text="".join(texts),
-            logprobs=tuple(logprobs) if logprobs is not None else None,
+            logprobs=tuple(logprobs.values) if complete else None,
+            tokens=tuple(logprobs.tokens) if complete and logprobs.tokens is not None else None,
+            top_logprobs=tuple(logprobs.top) if complete and logprobs.top is not None else None,
         )
         if self.finish_reason is not None:
             return self._terminal(delta, now)
