@@ -788,14 +788,19 @@ async def test_a_direct_delta_the_socket_cannot_take_now_is_written_before_the_n
     assert contents == ["", "a", "b", "c", None]
 
 
-async def test_failure_mid_stream_ends_with_an_error_event_and_closes() -> None:
+async def test_failure_mid_stream_ends_with_an_error_event_and_keeps_the_connection() -> None:
+    """The connection used to close after the error event: headers already out, the
+    client could not know, and a request it sent next on that connection got no
+    answer at all (httpx: "Server disconnected without sending a response")."""
     error = RemoteWorkerError("engine_error", "decoder died", retryable=False)
     app = ScriptedApp([delta("partial"), ErrorEvent(error, TIMINGS)])
     async with connected(app) as client:
         reply = await client.request(
             "POST", "/v1/chat/completions", json_body={**CHAT, "stream": True}
         )
-        assert await client.at_eof()
+        assert "connection" not in reply.headers
+        # The next request on the same connection, sent at once, is answered.
+        after = await client.request("GET", "/v1/models")
     text = reply.body.decode()
     assert reply.status == 200
     assert "[DONE]" not in text
@@ -804,6 +809,8 @@ async def test_failure_mid_stream_ends_with_an_error_event_and_closes() -> None:
         '"type":"upstream_error","param":null,"code":"engine_error"}}\n\n'
     )
     assert '"content":"partial"' in text
+    assert after.status == 200
+    assert after.json()["data"][0]["id"] == "m"
 
 
 async def test_failure_before_the_first_event_is_a_plain_error_status() -> None:

@@ -27,7 +27,8 @@ request goes through:
 
 An answer that is an error is built by :func:`~.http_errors.error_response`.
 A stream that fails once its headers are out ends with an SSE ``error``
-event, no ``[DONE]``, and the connection closes.  When the request body was not
+event, no ``[DONE]``, and the end of its chunked body; the connection then
+serves the client's next request as after any other answer.  When the request body was not
 read (413, or a refusal before the body), the connection closes after the
 answer, lingering up to ``linger_s`` so the client reads it instead of a reset.
 
@@ -518,8 +519,11 @@ class HttpConnection:
                         break  # events to render, or the channel ended
                     await self._write(head)  # only the rest of a direct write
         if isinstance(final, ErrorEvent):
+            # The error event ended the chunked body cleanly, so the connection
+            # stays open: its headers are out, no ``connection: close`` can tell
+            # the client, and a client that sends its next request on it at once
+            # would lose that request to the close.
             logger.info("[%s] stream failed: %s", parsed.request_id, final.error)
-            self.close_after = True
 
     # -- writing
 
