@@ -6,6 +6,7 @@ import contextlib
 import os
 import stat
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import trio
 
@@ -95,3 +96,22 @@ async def open_stream(address: Address) -> trio.SocketStream:
     if address.scheme == "unix":
         return await trio.open_unix_socket(address.path)
     return await trio.open_tcp_stream(address.host, address.port)
+
+
+def check_http_url(text: str, *, key: str) -> None:
+    """Accept ``http(s)://HOST[:PORT][/PREFIX]`` (a vLLM server's base URL).
+
+    Raises:
+        ConfigError: naming ``key`` and what is wrong.
+    """
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{key}: {text!r} is not an http(s)://HOST:PORT URL")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ConfigError(f"{key}: {text!r} must not carry credentials, a query or a fragment")
+    try:
+        port = parts.port  # urlsplit checks the port only when it is read
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ConfigError(f"{key}: {text!r} has an invalid port")

@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
-from .addresses import parse_address
+from .actors import STAGE_ACTORS
+from .addresses import check_http_url as check_http_url  # where it lived before
+from .backends.kinds import backend_kind
 from .backends.native_settings import NativeSettings
 from .backends.openai_http_settings import OpenAIHttpSettings
 from .errors import ConfigError
@@ -25,16 +26,8 @@ if TYPE_CHECKING:
 
     from .lora import LoraAdapter
 
-BACKEND_KINDS = ("native", "openai_http")
-"""``native``: an ``epd_actors worker`` (``tcp://HOST:PORT`` or ``unix:PATH``);
-``openai_http``: a stock ``vllm serve`` instance (``http(s)://HOST:PORT``)."""
-
-DEFAULT_POLICIES: dict[str, str] = {
-    "encode": "consistent_hash",
-    "prefill": "least_in_flight",
-    "decode": "least_in_flight",
-    "pd": "least_in_flight",
-}
+FALLBACK_POLICY = "least_in_flight"
+"""The routing policy of a pool whose stage no registered actor class serves."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +53,9 @@ class PoolConfig:
     Attributes:
         stage: ``encode``, ``prefill``, ``decode`` or ``pd`` (or a registered stage).
         workers: its workers (may be empty and filled at run time).
-        policy: a routing policy name (see ``routing.policy_names()``); default
-            per stage: consistent hashing on the media hash for encode,
-            least-in-flight elsewhere.
+        policy: a routing policy name (see ``routing.policy_names()``); by
+            default the stage actor's ``default_policy`` (consistent hashing on
+            the media hash for encode, least-in-flight elsewhere).
         max_in_flight_per_worker: jobs one worker may hold from this router.
         policy_options: the policy's options by name (each policy lists its
             own; docs/routing.md), e.g. ``{"load_factor": 1.5}``.
@@ -84,7 +77,10 @@ class PoolConfig:
 
     @property
     def policy_name(self) -> str:
-        return self.policy or DEFAULT_POLICIES.get(self.stage, "least_in_flight")
+        if self.policy:
+            return self.policy
+        actor = STAGE_ACTORS.get(self.stage)
+        return FALLBACK_POLICY if actor is None else actor.default_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,25 +245,6 @@ def _positive(key: str, value: float) -> None:
         raise ConfigError(f"{key} must be a positive number, got {value!r}")
 
 
-def check_http_url(text: str, *, key: str) -> None:
-    """Accept ``http(s)://HOST[:PORT][/PREFIX]`` (a vLLM server's base URL).
-
-    Raises:
-        ConfigError: naming ``key`` and what is wrong.
-    """
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{key}: {text!r} is not an http(s)://HOST:PORT URL")
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise ConfigError(f"{key}: {text!r} must not carry credentials, a query or a fragment")
-    try:
-        port = parts.port  # urlsplit checks the port only when it is read
-    except ValueError:
-        port = 0
-    if port == 0:
-        raise ConfigError(f"{key}: {text!r} has an invalid port")
-
-
 def validate(config: RouterConfig) -> None:
     """Check every field; raise ``ConfigError`` naming the first bad key."""
     if not config.pools:
@@ -296,15 +273,8 @@ def validate(config: RouterConfig) -> None:
             if worker.worker_id in seen_workers:
                 raise ConfigError(f"{worker_key}.id: duplicate worker id {worker.worker_id!r}")
             seen_workers.add(worker.worker_id)
-            if worker.backend not in BACKEND_KINDS:
-                raise ConfigError(
-                    f"{worker_key}.backend: unknown backend {worker.backend!r} "
-                    f"(choose from {', '.join(BACKEND_KINDS)})"
-                )
-            if worker.backend == "openai_http":
-                check_http_url(worker.address, key=f"{worker_key}.address")
-            else:
-                parse_address(worker.address, key=f"{worker_key}.address")
+            kind = backend_kind(worker.backend, key=f"{worker_key}.backend")
+            kind.check_address(worker.address, key=f"{worker_key}.address")
     _check_models(config)
     deadlines = config.deadlines
     for name in (

@@ -30,8 +30,8 @@ import trio
 
 from ._groups import single_exception
 from .actors import STAGE_ACTORS
-from .addresses import parse_address
 from .backends.base import ManagedBackend, WorkerRequirement
+from .backends.kinds import backend_kind
 from .config import PoolConfig, RouterConfig, WorkerEndpoint, pool_name
 from .errors import ConfigError, NoHealthyWorker
 from .metrics import RouterMetrics
@@ -42,7 +42,6 @@ from .supervisor import Supervisor, SupervisorStatistics
 
 if TYPE_CHECKING:
     from .actors import ActorStatistics
-    from .backends.openai_http import OpenAIHttpBackendFactory, OpenAIHttpSettings
     from .lora import LoraAdapter
     from .models import ModelCard
     from .request import DirectDeltas, GenerationEvent, GenerationRequest
@@ -53,36 +52,30 @@ BackendFactory = Callable[[WorkerEndpoint, RouterConfig], ManagedBackend]
 
 
 class DefaultBackendFactory:
-    """Builds each worker's backend by ``endpoint.backend``: ``native`` or ``openai_http``.
+    """Builds each worker's backend through its kind (``endpoint.backend``, a registered name).
 
-    Use one per router: the ``openai_http`` backends it builds share one KV
-    hand-off ledger (see :mod:`epd_actors.backends.openai_http`).
+    Use one per router: each kind's factory is opened once and builds all of
+    that kind's backends, so they share what the kind shares (the
+    ``openai_http`` backends: one KV hand-off ledger; see
+    :mod:`epd_actors.backends.kinds`).
 
     Args:
-        openai_http: settings of the ``openai_http`` backends (default: the
-            router configuration's ``openai_http``).
+        **settings: a kind's settings by the kind's name, overriding the router
+            configuration's (``openai_http=OpenAIHttpSettings(...)``,
+            ``native=NativeSettings(...)``).
     """
 
-    def __init__(self, *, openai_http: OpenAIHttpSettings | None = None) -> None:
-        self._openai_http_settings = openai_http
-        self._openai_http: OpenAIHttpBackendFactory | None = None
+    def __init__(self, **settings: object) -> None:
+        self._settings = settings
+        self._factories: dict[str, Callable[[WorkerEndpoint, RouterConfig], ManagedBackend]] = {}
 
     def __call__(self, endpoint: WorkerEndpoint, config: RouterConfig) -> ManagedBackend:
-        if endpoint.backend == "openai_http":
-            if self._openai_http is None:
-                from .backends.openai_http import OpenAIHttpBackendFactory
-
-                settings = self._openai_http_settings or config.openai_http
-                self._openai_http = OpenAIHttpBackendFactory(settings)
-            return self._openai_http(endpoint, config)
-        from .backends.native import NativeBackend
-
-        return NativeBackend(
-            endpoint.worker_id,
-            parse_address(endpoint.address),
-            auth_token=config.auth_token,
-            settings=config.native,
-        )
+        factory = self._factories.get(endpoint.backend)
+        if factory is None:
+            kind = backend_kind(endpoint.backend, key=f"worker {endpoint.worker_id!r} backend")
+            factory = kind.open_factory(config, self._settings.get(kind.name))
+            self._factories[endpoint.backend] = factory
+        return factory(endpoint, config)
 
 
 def default_backend_factory(endpoint: WorkerEndpoint, config: RouterConfig) -> ManagedBackend:
@@ -276,8 +269,13 @@ def worker_requirement(
 ) -> WorkerRequirement:
     """What the workers of ``stage``'s pool must announce (any role for an unknown stage)."""
     actor = STAGE_ACTORS.get(stage)
-    roles = frozenset() if actor is None else actor.worker_roles
-    return WorkerRequirement(stage, roles=roles, model=model, loadable_adapters=loadable)
+    return WorkerRequirement(
+        stage,
+        roles=frozenset() if actor is None else actor.worker_roles,
+        model=model,
+        loadable_adapters=loadable,
+        consumes_kv_handoff=actor is not None and actor.consumes_kv_handoff,
+    )
 
 
 @asynccontextmanager

@@ -76,6 +76,7 @@ from epd_actors.router import (
     default_backend_factory,
     native_backend_factory,
     open_router,
+    worker_requirement,
 )
 from epd_actors.worker.engines.sim import SimConfig, SimEngine
 from epd_actors.worker.engines.sim_store import SimStores, create_sim_stores
@@ -213,8 +214,11 @@ async def running_backend(
     fleet: SimHttpFleet, worker_id: str, factory: OpenAIHttpBackendFactory
 ) -> AsyncIterator[OpenAIHttpBackend]:
     config = fleet.config()
-    endpoint = next(w for p in config.pools for w in p.workers if w.worker_id == worker_id)
+    pool, endpoint = next(
+        (p, w) for p in config.pools for w in p.workers if w.worker_id == worker_id
+    )
     backend = factory(endpoint, config)
+    backend.expect(worker_requirement(pool.stage, config.model))  # as its pool would
     async with trio.open_nursery() as nursery:
         await nursery.start(backend.run)
         await backend.wait_ready()

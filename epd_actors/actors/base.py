@@ -92,6 +92,11 @@ class BaseActor:
         requires: stages that must be configured alongside this one.
         worker_roles: the worker roles that may serve the stage (empty: any);
             a worker announcing another role is refused by the pool.
+        default_policy: the routing policy of the stage's pool when its
+            configuration names none.
+        consumes_kv_handoff: the stage's workers take the KV cache another
+            stage handed on (they can pull blocks nobody else will: the HTTP
+            backend's release by consumption uses them).
 
     Args:
         pool: the workers of this stage.
@@ -110,6 +115,8 @@ class BaseActor:
     produces_output: ClassVar[bool] = False
     requires: ClassVar[tuple[str, ...]] = ()
     worker_roles: ClassVar[frozenset[str]] = frozenset()
+    default_policy: ClassVar[str] = "least_in_flight"
+    consumes_kv_handoff: ClassVar[bool] = False
 
     def __init__(
         self,

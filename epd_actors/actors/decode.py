@@ -29,6 +29,7 @@ class DecodeActor(BaseActor):
 
     stage = "decode"
     worker_roles = frozenset({Role.DECODE})
+    consumes_kv_handoff = True
     phase = Phase.DECODING
     order = 30
     produces_output = True

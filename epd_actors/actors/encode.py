@@ -23,6 +23,7 @@ class EncodeActor(BaseActor):
 
     stage = "encode"
     worker_roles = frozenset({Role.ENCODE})
+    default_policy = "consistent_hash"  # the media hash: an item goes back to its encoder cache
     phase = Phase.ENCODING
     order = 10
 

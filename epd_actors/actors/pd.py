@@ -17,4 +17,5 @@ class PDActor(DecodeActor):
 
     stage = "pd"
     worker_roles = frozenset({Role.PD})
+    consumes_kv_handoff = False  # a merged worker prefills for itself
     requires = ()

@@ -47,12 +47,15 @@ class WorkerRequirement:
         loadable_adapters: LoRA adapters of that model the backend may load
             on its worker at run time, before a request that names one (the
             pool's ``lora_loading``); empty: it loads none.
+        consumes_kv_handoff: the pool's workers take KV caches other stages
+            hand on (the stage actor's ``consumes_kv_handoff``).
     """
 
     stage: str = ""
     roles: frozenset[str] = frozenset()
     model: str | None = None
     loadable_adapters: tuple[LoraAdapter, ...] = ()
+    consumes_kv_handoff: bool = False
 
     def loadable(self, adapter: str) -> LoraAdapter | None:
         """The adapter ``adapter`` if the backend may load it at run time, else None."""

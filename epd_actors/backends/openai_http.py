@@ -88,12 +88,13 @@ import logging
 import secrets
 import ssl
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Final
 
 import trio
 
 from .._groups import single_exception
-from ..config import check_http_url
+from ..addresses import check_http_url
 from ..errors import AdapterLoadFailed, RemoteWorkerError, WorkerDisconnected
 from ..limits import CLEANUP_TIMEOUT_S
 from ..lora import LOAD_LORA_PATH, AdapterLoads, listed_adapters
@@ -426,8 +427,10 @@ class OpenAIHttpBackend:
         backend puts in every body.
         """
         if requirement.model is None:
-            requirement = WorkerRequirement(requirement.stage, requirement.roles, self.model)
+            requirement = replace(requirement, model=self.model)
         self.requirement = requirement
+        if requirement.consumes_kv_handoff:
+            self.ledger.add_consumer(self)
         if self._served is not None:
             self._model_problem = requirement.problem(models=self._served)
             self._judge()
@@ -975,8 +978,9 @@ class OpenAIHttpBackend:
 class OpenAIHttpBackendFactory:
     """Builds the ``openai_http`` backends of one router; they share one hand-off ledger.
 
-    Workers of the router's ``decode`` pool are registered as consumers at
-    once; a worker added later becomes one when it first serves a decode.
+    A backend becomes a consumer of the ledger when its pool's requirement
+    says its stage consumes KV hand-offs (the decode actor's
+    ``consumes_kv_handoff``), or when it first serves a decode.
 
     Args:
         settings: applied to every backend built.
@@ -1004,6 +1008,4 @@ class OpenAIHttpBackendFactory:
             ledger=self.ledger,
             stage=stage,
         )
-        if stage == "decode":
-            self.ledger.add_consumer(backend)
         return backend

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from ..config import BACKEND_KINDS, WorkerEndpoint
+from ..backends.kinds import backend_kind_names
+from ..config import WorkerEndpoint
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -79,8 +80,8 @@ class RouterAdmin:
                 return _error(400, f"{name!r} must be a non-empty string")
             fields[name] = value
         backend = body.get("backend", "native")
-        if backend not in BACKEND_KINDS:
-            return _error(400, f"'backend' must be one of {', '.join(BACKEND_KINDS)}")
+        if backend not in backend_kind_names():
+            return _error(400, f"'backend' must be one of {', '.join(backend_kind_names())}")
         endpoint = WorkerEndpoint(fields["id"], fields["address"], backend)
         try:
             await self.router.add_worker(fields["stage"], endpoint)
