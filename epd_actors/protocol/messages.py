@@ -52,6 +52,38 @@ class Role(enum.StrEnum):
     PD = "pd"
 
 
+@dataclass(frozen=True, slots=True)
+class RoleTraits:
+    """What a worker of one role does: the one table every check of a role reads.
+
+    Attributes:
+        operations: the stage requests it serves, by their wire ``TAG``
+            (``encode``, ``prefill``, ``generate``).
+        streams: it answers with a stream of deltas (``generate``), not one result.
+        hands_off_kv: it prefills and hands its KV cache on (vLLM ``kv_producer``).
+        takes_kv: it generates from a KV cache another worker handed on
+            (vLLM ``kv_consumer``).
+    """
+
+    operations: frozenset[str]
+    streams: bool = False
+    hands_off_kv: bool = False
+    takes_kv: bool = False
+
+    def serves(self, operation: str) -> bool:
+        """Whether a worker of this role serves ``operation`` (a stage request's ``TAG``)."""
+        return operation in self.operations
+
+
+ROLE_TRAITS: Final[dict[Role, RoleTraits]] = {
+    Role.ENCODE: RoleTraits(frozenset({"encode"})),
+    Role.PREFILL: RoleTraits(frozenset({"prefill"}), hands_off_kv=True),
+    Role.DECODE: RoleTraits(frozenset({"generate"}), streams=True, takes_kv=True),
+    Role.PD: RoleTraits(frozenset({"generate"}), streams=True),
+}
+"""Role -> :class:`RoleTraits`; the workers' engines and servers decide by it, never by name."""
+
+
 class ErrorCode(enum.StrEnum):
     """Wire error codes carried by :class:`ErrorReply`."""
 

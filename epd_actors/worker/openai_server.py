@@ -87,7 +87,14 @@ from ..frontends.openai_format import (
 from ..frontends.openai_schema import parse_chat_completion, parse_completion
 from ..limits import CLEANUP_TIMEOUT_S, RECEIVE_CHUNK_BYTES
 from ..lora import LOAD_LORA_PATH
-from ..protocol import EncodeRequest, ErrorCode, GenerateRequest, PrefillRequest, Role, Usage
+from ..protocol import (
+    ROLE_TRAITS,
+    EncodeRequest,
+    ErrorCode,
+    GenerateRequest,
+    PrefillRequest,
+    Usage,
+)
 from .engine import check_option_names
 from .sim_lora import LoraRefused, SimLoraAdapters
 
@@ -491,26 +498,27 @@ class SimOpenAIServer:
         except EngineError as exc:
             raise InvalidRequest(exc.detail, param=exc.param) from None
         unsupported = ErrorCode.UNSUPPORTED_STAGE  # the request is for another role
-        if role in (Role.ENCODE, Role.PREFILL) and parsed.stream:
+        traits = ROLE_TRAITS[role]
+        if not traits.streams and parsed.stream:
             raise _Refused(
                 400, f"a {role.value} worker answers stream: false requests only", unsupported
             )
         kv = body.get("kv_transfer_params")
-        if role is Role.PREFILL and not (isinstance(kv, dict) and kv.get("do_remote_decode")):
+        if traits.hands_off_kv and not (isinstance(kv, dict) and kv.get("do_remote_decode")):
             raise _Refused(
                 400,
                 "a prefill worker needs kv_transfer_params.do_remote_decode = true",
                 unsupported,
             )
-        if role is Role.DECODE and not (isinstance(kv, dict) and kv.get("do_remote_prefill")):
+        if traits.takes_kv and not (isinstance(kv, dict) and kv.get("do_remote_prefill")):
             raise _Refused(
                 400,
                 "a decode worker needs the kv_transfer_params of a prefill (do_remote_prefill)",
                 unsupported,
             )
-        if role is Role.ENCODE:
+        if traits.serves("encode"):
             await self._watched(exchange, self._encode)
-        elif role is Role.PREFILL:
+        elif traits.serves("prefill"):
             await self._watched(exchange, self._prefill)
         elif parsed.stream:
             await self._watched(exchange, self._stream)
@@ -630,7 +638,7 @@ class SimOpenAIServer:
             request.media,
             request.sampling,
             kv_transfer_params=kv
-            if isinstance(kv, dict) and self.engine.role is Role.DECODE
+            if isinstance(kv, dict) and ROLE_TRAITS[self.engine.role].takes_kv
             else None,
             ec_transfer_params=ec if isinstance(ec, dict) else None,
             options=exchange.options,

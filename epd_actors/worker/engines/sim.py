@@ -49,6 +49,7 @@ import trio
 from ...errors import EngineCrashed, EngineError
 from ...lora import lora_capabilities
 from ...protocol import (
+    ROLE_TRAITS,
     Delta,
     EncodeRequest,
     ErrorCode,
@@ -317,7 +318,7 @@ class SimEngine:
         Cancellation: safe at any await; entries written so far stay (a cache).
         Backpressure: none; each item costs ``encode_item_s`` + size x ``encode_kib_s``.
         """
-        await self._admit("encode", (Role.ENCODE,))
+        await self._admit("encode")
         with self._running():
             start = trio.current_time()
             items = self._checked_media(request.media)
@@ -361,7 +362,7 @@ class SimEngine:
         the runtime sends after a cancel) or its TTL.
         Backpressure: none; costs ``prefill_token_s`` per prompt token.
         """
-        await self._admit("prefill", (Role.PREFILL,))
+        await self._admit("prefill")
         with self._running():
             start = trio.current_time()
             items = self._checked_media(request.media)
@@ -404,10 +405,10 @@ class SimEngine:
         Backpressure: awaits ``emit`` for every delta; one token per delta when
         paced (``output_token_s`` > 0), else ``tokens_per_delta`` per delta.
         """
-        await self._admit("generate", (Role.DECODE, Role.PD))
+        await self._admit("generate")
         with self._running():
             start = trio.current_time()
-            decode = self.role == Role.DECODE
+            decode = ROLE_TRAITS[self.role].takes_kv
             handle = _handle_from(request.kv_transfer_params) if decode else ""
             items = {} if decode else self._checked_media(request.media)
             digest = prompt_digest(request.prompt, request.media)
@@ -487,11 +488,11 @@ class SimEngine:
 
     # -- stage plumbing
 
-    async def _admit(self, stage: str, roles: tuple[Role, ...]) -> None:
+    async def _admit(self, stage: str) -> None:
         await trio.lowlevel.checkpoint()
         self._sweep()
         self._check_alive()
-        if self.role not in roles:
+        if not ROLE_TRAITS[self.role].serves(stage):
             raise EngineError(
                 ErrorCode.UNSUPPORTED_STAGE, f"a {self.role.value} worker does not serve {stage}"
             )

@@ -70,6 +70,7 @@ import trio
 from ...errors import ConfigError, EngineCrashed, EngineError
 from ...limits import CLEANUP_TIMEOUT_S
 from ...protocol import (
+    ROLE_TRAITS,
     ChatMessage,
     EncodeRequest,
     ErrorCode,
@@ -353,7 +354,7 @@ class VllmEngine:
         Cancellation: aborts the running item's vLLM request and waits for it.
         Backpressure: none (two thread hops per item).
         """
-        self._check_stage("encode", (Role.ENCODE,))
+        self._check_stage("encode")
         start = trio.current_time()
         distinct = {item.content_hash: item for item in request.media}
         params = self._sampling_params(_ENCODE_SAMPLING, output_kind="final_only", max_tokens=1)
@@ -391,7 +392,7 @@ class VllmEngine:
         Cancellation: aborts the vLLM request and waits for it.
         Backpressure: none (two thread hops).
         """
-        self._check_stage("prefill", (Role.PREFILL,))
+        self._check_stage("prefill")
         start = trio.current_time()
         rendered = await self._render(request.prompt, request.media, request.options)
         extra: dict[str, Any] = {
@@ -434,13 +435,13 @@ class VllmEngine:
         Backpressure: awaits ``emit`` for every delta; at most ``stream_buffer``
         outputs wait for it.
         """
-        self._check_stage("generate", (Role.DECODE, Role.PD))
+        self._check_stage("generate")
         start = trio.current_time()
         rendered = await self._render(request.prompt, request.media, request.options)
         extra: dict[str, Any] = {}
         if request.kv_transfer_params is not None:
             extra["kv_transfer_params"] = dict(request.kv_transfer_params)
-        if request.ec_transfer_params and self.role == Role.PD:
+        if request.ec_transfer_params and not ROLE_TRAITS[self.role].takes_kv:
             extra["ec_transfer_params"] = dict(request.ec_transfer_params)
         params = self._sampling_params(
             request.sampling, output_kind="delta", extra_args=extra, options=request.options
@@ -524,10 +525,10 @@ class VllmEngine:
 
     # -- plumbing
 
-    def _check_stage(self, stage: str, roles: tuple[Role, ...]) -> None:
+    def _check_stage(self, stage: str) -> None:
         if self._dead:
             raise EngineCrashed(f"the vLLM engine ({self.role.value}) is dead")
-        if self.role not in roles:
+        if not ROLE_TRAITS[self.role].serves(stage):
             raise EngineError(
                 ErrorCode.UNSUPPORTED_STAGE, f"a {self.role.value} worker does not serve {stage}"
             )
