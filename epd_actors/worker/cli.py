@@ -31,7 +31,7 @@ from .runtime import WorkerConfig, WorkerServer
 
 if TYPE_CHECKING:
     import argparse
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
     from .engine import Engine
     from .engines.vllm_args import VllmOptions
@@ -46,7 +46,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the ``worker`` subcommand."""
     parser.add_argument("--role", required=True, choices=[r.value for r in Role])
     parser.add_argument(
-        "--engine", default="sim", choices=["sim", "vllm"], help="engine (default sim)"
+        "--engine", default="sim", choices=list(ENGINE_RUNNERS), help="engine (default sim)"
     )
     parser.add_argument(
         "--listen",
@@ -263,21 +263,37 @@ async def _drain_on_signal(server: WorkerServer, signals: AsyncIterator[int]) ->
         server.begin_drain(f"received {signal.Signals(signum).name}")
 
 
+def _run_sim_worker(args: argparse.Namespace) -> None:
+    """Build the simulated engine and serve the native protocol (``--engine sim``)."""
+    server = build_worker(args)
+    trio.run(
+        functools.partial(
+            serve_worker_process, server, args.listen, metrics_listen=args.metrics_listen
+        )
+    )
+
+
+ENGINE_RUNNERS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "sim": _run_sim_worker,
+    "vllm": _run_vllm_worker,
+}
+"""``--engine`` name -> what runs a worker of that engine until it stops.
+
+A new engine is its ``Engine`` class plus one entry here (a runner that builds
+the engine from the options, serves it with ``serve_worker_process`` and
+returns); the choices of ``--engine`` follow.  A runner raises ``ConfigError``
+for bad options and lets ``EngineCrashed`` propagate.
+"""
+
+
 def run_worker(args: argparse.Namespace) -> int:
     """Entry point of ``python -m epd_actors worker``; returns the exit status."""
     status = 0
     try:
         if getattr(args, "serve_openai", False):
             trio.run(serve_openai_process, build_openai_server(args), args.listen)
-        elif args.engine == "vllm":
-            _run_vllm_worker(args)
         else:
-            server = build_worker(args)
-            trio.run(
-                functools.partial(
-                    serve_worker_process, server, args.listen, metrics_listen=args.metrics_listen
-                )
-            )
+            ENGINE_RUNNERS[args.engine](args)
     except* ConfigError as group:
         print(f"epd_actors worker: configuration error: {first_leaf(group)}", file=sys.stderr)
         status = 2
