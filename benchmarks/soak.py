@@ -61,7 +61,7 @@ from epd_actors.testing import build_sim_fleet, sim_config
 from epd_actors.worker.cli import AUTH_TOKEN_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_checks import OK, Outcome, ProcessSample, SseParser, StreamCheck, Tally, refused_outcome
+from soak_checks import OK, Outcome, ProcessSample, Tally, judge_stream, refused_outcome
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -387,7 +387,7 @@ async def open_references() -> AsyncIterator[References]:
 
 
 async def exchange(client: httpx.AsyncClient, body: dict[str, object], reference: str) -> Outcome:
-    """Send one request and check its answer (see :class:`StreamCheck`)."""
+    """Send one request and check its answer (see :func:`soak_checks.judge_stream`)."""
     image = has_image(body)
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200 or "text/event-stream" not in response.headers.get(
@@ -400,16 +400,8 @@ async def exchange(client: httpx.AsyncClient, body: dict[str, object], reference
                 answer = None
             kind, problems = refused_outcome(response.status_code, answer)
             return Outcome(kind, tuple(problems), image)
-        check = StreamCheck(reference)
-        parser = SseParser()
-        async for line in response.aiter_lines():
-            event = parser.feed(line)
-            if event is not None:
-                check.event(event)
-        tail = parser.close()
-        if tail is not None:
-            check.event(tail)
-        check.end()
+        lines = [line async for line in response.aiter_lines()]
+        check = judge_stream(lines, reference)
         return Outcome(check.outcome, tuple(check.violations), image)
 
 

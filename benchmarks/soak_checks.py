@@ -22,6 +22,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 DONE = "[DONE]"
 OK = "ok"
@@ -70,6 +74,21 @@ class SseParser:
         self._name = "message"
         self._data = []
         return event
+
+
+def judge_stream(lines: Iterable[str], reference: str) -> StreamCheck:
+    """Feed a stream's lines to a :class:`StreamCheck` against ``reference``, ended."""
+    parser = SseParser()
+    check = StreamCheck(reference)
+    for line in lines:
+        event = parser.feed(line)
+        if event is not None:
+            check.event(event)
+    tail = parser.close()
+    if tail is not None:
+        check.event(tail)
+    check.end()
+    return check
 
 
 def error_code(body: object) -> str | None:

@@ -38,16 +38,7 @@ TIMINGS = [": timings queue=0.001", ""]
 
 
 def judge(lines: list[str], reference: str = REFERENCE) -> tuple[str, list[str]]:
-    parser = checks.SseParser()
-    check = checks.StreamCheck(reference)
-    for line in lines:
-        event = parser.feed(line)
-        if event is not None:
-            check.event(event)
-    tail = parser.close()
-    if tail is not None:
-        check.event(tail)
-    check.end()
+    check = checks.judge_stream(lines, reference)
     return check.outcome, check.violations
 
 

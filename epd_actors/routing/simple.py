@@ -53,25 +53,35 @@ class RoundRobin(StatelessPolicy):
         return f"RoundRobin(last={self._last!r})"
 
 
-@register_policy
-class RandomChoice(StatelessPolicy):
-    """A random candidate, with probability proportional to its weight.
-
-    Args:
-        rng: the source of randomness; a fresh, OS-seeded one by default.
-    """
+class RandomizedPolicy(StatelessPolicy):
+    """A policy that draws: it takes the ``rng`` it is built with (OS-seeded when None)."""
 
     __slots__ = ("_rng",)
-
-    name = "random"
 
     def __init__(self, *, rng: random.Random | None = None) -> None:
         self._rng = rng if rng is not None else random.Random()
 
     @classmethod
     def build(cls, rng: random.Random | None, options: Mapping[str, object]) -> Policy:
-        """A new instance (no options)."""
+        """A new instance drawing from ``rng`` (no options)."""
         return cls(rng=rng)
+
+    def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
+        """Each randomized policy draws in its own way."""
+        raise NotImplementedError
+
+
+@register_policy
+class RandomChoice(RandomizedPolicy):
+    """A random candidate, with probability proportional to its weight.
+
+    Args:
+        rng: the source of randomness; a fresh, OS-seeded one by default.
+    """
+
+    __slots__ = ()
+
+    name = "random"
 
     def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
         """Return a weighted random candidate (see class doc)."""
@@ -117,7 +127,7 @@ class LeastInFlight(StatelessPolicy):
 
 
 @register_policy
-class PowerOfTwoChoices(StatelessPolicy):
+class PowerOfTwoChoices(RandomizedPolicy):
     """Sample two distinct candidates (weighted), keep the one with lower load.
 
     Nearly as balanced as :class:`LeastInFlight` while looking at two workers
@@ -128,17 +138,9 @@ class PowerOfTwoChoices(StatelessPolicy):
         rng: the source of randomness; a fresh, OS-seeded one by default.
     """
 
-    __slots__ = ("_rng",)
+    __slots__ = ()
 
     name = "power_of_two"
-
-    def __init__(self, *, rng: random.Random | None = None) -> None:
-        self._rng = rng if rng is not None else random.Random()
-
-    @classmethod
-    def build(cls, rng: random.Random | None, options: Mapping[str, object]) -> Policy:
-        """A new instance (no options)."""
-        return cls(rng=rng)
 
     def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
         """Return the lighter of two weighted random samples (see class doc)."""
