@@ -14,24 +14,15 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Iterable, Mapping, Sequence
 
     from .base import Candidate, Policy, RouteKey
 
 
-@register_policy
-class RoundRobin(StatelessPolicy):
-    """Strict rotation over the candidates in worker-id order.
-
-    The cursor is the id of the last worker chosen, and it persists across
-    calls, so a stream of calls (the items of one fan-out included) spreads
-    exactly evenly and never restarts at the first worker per request.  Load
-    and weight are ignored; use :class:`LeastInFlight` when calls differ in cost.
-    """
+class RotatingPolicy(StatelessPolicy):
+    """A policy with a cursor: the id of the last worker it chose (see :func:`next_after`)."""
 
     __slots__ = ("_last",)
-
-    name = "round_robin"
 
     def __init__(self) -> None:
         self._last: str | None = None
@@ -42,12 +33,33 @@ class RoundRobin(StatelessPolicy):
         return cls()
 
     def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
-        """Return the worker after the previous choice in id order (see class doc)."""
-        if not candidates:
-            return None
+        """Each rotating policy narrows the candidates in its own way, then rotates."""
+        raise NotImplementedError
+
+    def _rotate(self, candidates: Iterable[Candidate]) -> Candidate:
+        """The candidate after the cursor in id order (``candidates`` not empty); moves it."""
         chosen = next_after(candidates, self._last)
         self._last = chosen.worker_id
         return chosen
+
+
+@register_policy
+class RoundRobin(RotatingPolicy):
+    """Strict rotation over the candidates in worker-id order.
+
+    The cursor is the id of the last worker chosen, and it persists across
+    calls, so a stream of calls (the items of one fan-out included) spreads
+    exactly evenly and never restarts at the first worker per request.  Load
+    and weight are ignored; use :class:`LeastInFlight` when calls differ in cost.
+    """
+
+    __slots__ = ()
+
+    name = "round_robin"
+
+    def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
+        """Return the worker after the previous choice in id order (see class doc)."""
+        return self._rotate(candidates) if candidates else None
 
     def __repr__(self) -> str:
         return f"RoundRobin(last={self._last!r})"
@@ -94,33 +106,23 @@ class RandomChoice(RandomizedPolicy):
 
 
 @register_policy
-class LeastInFlight(StatelessPolicy):
+class LeastInFlight(RotatingPolicy):
     """The candidate with the lowest load ``(in_flight + 1) / weight``.
 
     Ties rotate in worker-id order (the cursor of :class:`RoundRobin`), so idle
     workers share short calls instead of the first one taking them all.
     """
 
-    __slots__ = ("_last",)
+    __slots__ = ()
 
     name = "least_in_flight"
-
-    def __init__(self) -> None:
-        self._last: str | None = None
-
-    @classmethod
-    def build(cls, rng: random.Random | None, options: Mapping[str, object]) -> Policy:
-        """A new instance (no options, no randomness)."""
-        return cls()
 
     def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
         """Return the least-loaded candidate (see class doc)."""
         if not candidates:
             return None
         best = min(load_after_one(c) for c in candidates)
-        chosen = next_after((c for c in candidates if load_after_one(c) == best), self._last)
-        self._last = chosen.worker_id
-        return chosen
+        return self._rotate([c for c in candidates if load_after_one(c) == best])
 
     def __repr__(self) -> str:
         return f"LeastInFlight(last={self._last!r})"
