@@ -53,6 +53,9 @@ class ServerConfig:
         ws_listen: ``HOST:PORT`` of the WebSocket server, or None for none.
         drain_timeout_s: on SIGTERM, how long in-flight requests may finish
             after the listeners closed, before the rest are cancelled.
+        drain_notice_s: on SIGTERM, how long ``/health`` and ``/readyz``
+            answer 503 ``draining`` while the listeners still accept, before
+            they close (0: close at once).
         http: the HTTP server's limits, timeouts and keys.
         ws: the WebSocket server's limits, timeouts and keys.
     """
@@ -62,6 +65,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     http: HttpSettings = field(default_factory=HttpSettings)
     ws: WsSettings = field(default_factory=WsSettings)
+    drain_notice_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +267,7 @@ def _server(table: _Table, env: dict[str, str]) -> ServerConfig:
         if value is not None:
             parse_host_port(value, key=table.key(key))
     drain_timeout_s = table.number("drain_timeout_s", defaults.drain_timeout_s, minimum=0.001)
+    drain_notice_s = table.number("drain_notice_s", defaults.drain_notice_s, minimum=0.0)
     access_log = table.boolean("access_log", False)
     fields = _field_policy(table)
     media = _media(table.table("media"))
@@ -277,7 +282,7 @@ def _server(table: _Table, env: dict[str, str]) -> ServerConfig:
     )
     ws = read_settings(table.table("ws"), WsSettings, api_keys=api_keys, media=media, fields=fields)
     table.done()
-    return ServerConfig(http_listen, ws_listen, drain_timeout_s, http, ws)
+    return ServerConfig(http_listen, ws_listen, drain_timeout_s, http, ws, drain_notice_s)
 
 
 def _field_policy(table: _Table) -> FieldPolicy:

@@ -6,6 +6,9 @@ in a nursery of their own, reports the bound addresses, and serves until
 ``stop`` is set (the CLI sets it on SIGTERM or SIGINT).  Then the shutdown
 ladder runs:
 
+0. give notice: ``/health`` and ``/readyz`` answer 503 ``draining`` at once,
+   and for ``drain_notice_s`` (0 by default) the router keeps accepting and
+   serving, so that load balancers polling them move traffic away first;
 1. stop accepting: the listeners close, new connections are refused;
 2. let in-flight requests finish, up to ``drain_timeout_s``;
 3. end what is left with ``StageTimeout(phase="drain")``: each client gets a
@@ -194,6 +197,13 @@ async def serve_router(
                     ws_address = (ws_host, ws_server.port)
                 task_status.started((ServingAddresses(http_address, ws_address), router))
                 await stop.wait()
+                app.draining = True
+                if server.drain_notice_s > 0:
+                    logger.info(
+                        "stopping: /health answers draining for %.1fs before the listeners close",
+                        server.drain_notice_s,
+                    )
+                    await trio.sleep(server.drain_notice_s)
                 logger.info("stopping: no new connections; draining in-flight requests")
                 acceptors.cancel_scope.cancel(reason="router stopping")
             with trio.move_on_after(server.drain_timeout_s) as drain:

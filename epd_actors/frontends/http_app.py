@@ -120,14 +120,18 @@ class HttpApp(Protocol):
 class RouterHttpApp:
     """:class:`HttpApp` over a running :class:`~epd_actors.router.Router`.
 
-    ``health`` is 200 only when every pool has a usable worker; its body lists
-    each pool's workers and their state (``refused``: why the router refuses
-    a worker that announced a role or model its pool cannot use, else null).
+    ``health`` is 200 only when every pool has a usable worker and the router
+    is not draining; its body lists each pool's workers and their state
+    (``refused``: why the router refuses a worker that announced a role or
+    model its pool cannot use, else null).  :attr:`draining` is set when the
+    router begins to stop, before its listeners close, so that load balancers
+    reading ``/health`` or ``/readyz`` move traffic away first.
     """
 
     def __init__(self, router: Router) -> None:
         self.router = router
         self.admin: AdminHook | None = None
+        self.draining = False
 
     def generate(
         self, request: GenerationRequest, *, direct: DirectDeltas | None = None
@@ -164,12 +168,13 @@ class RouterHttpApp:
                     for m in members
                 ],
             }
+        status = "draining" if self.draining else "ok" if healthy else "unavailable"
         body: dict[str, object] = {
-            "status": "ok" if healthy else "unavailable",
+            "status": status,
             "requests_in_flight": stats.supervisor.requests_in_flight,
             "pools": pools,
         }
-        return (200 if healthy else 503), body
+        return (200 if status == "ok" else 503), body
 
     def metrics(self) -> str | bytes:
         return self.router.metrics.render()

@@ -77,6 +77,8 @@ ROUTES: Final = {
     "/v1/completions": "POST",
     "/v1/models": "GET",
     "/health": "GET",
+    "/livez": "GET",
+    "/readyz": "GET",
     "/metrics": "GET",
 }
 """Path -> the one method it accepts (``/admin/*`` is routed separately)."""
@@ -285,6 +287,11 @@ class HttpConnection:
         elif path == "/health":
             status, health = self.app.health()
             await self._send_json(status, health)
+        elif path == "/readyz":
+            status, health = self.app.health()
+            await self._send_json(status, {"status": health.get("status")})
+        elif path == "/livez":
+            await self._send_json(200, {"status": "alive"})
         else:
             text = self.app.metrics()
             payload = text.encode() if isinstance(text, str) else text
