@@ -39,7 +39,18 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to serve on")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument(
-        "--ws-port", type=int, default=8001, help="WebSocket port (0: any; -1: no WebSocket)"
+        "--ws-port",
+        type=int,
+        default=None,
+        help="WebSocket port (0: any; -1: no WebSocket; default: the HTTP port + 1, "
+        "or any free one with --port 0)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on Ctrl-C or SIGTERM, how long in-flight requests may finish (default 30)",
     )
     parser.add_argument("--encoders", type=int, default=1, help="simulated E workers (default 1)")
     parser.add_argument("--prefills", type=int, default=1, help="simulated P workers (default 1)")
@@ -79,8 +90,17 @@ def local_config(args: argparse.Namespace, workers: LocalWorkers, token: str) ->
         auth_token=token,
         model=MODEL,
     )
-    ws_listen = None if args.ws_port < 0 else f"{args.host}:{args.ws_port}"
-    return FileConfig(router, ServerConfig(f"{args.host}:{args.port}", ws_listen))
+    ws_port = local_ws_port(args.port, args.ws_port)
+    ws_listen = None if ws_port < 0 else f"{args.host}:{ws_port}"
+    server = ServerConfig(f"{args.host}:{args.port}", ws_listen, drain_timeout_s=args.drain_timeout)
+    return FileConfig(router, server)
+
+
+def local_ws_port(http_port: int, ws_port: int | None) -> int:
+    """The WebSocket port: as given, else the HTTP port + 1, else (``--port 0``) any free one."""
+    if ws_port is not None:
+        return ws_port
+    return 0 if http_port == 0 else http_port + 1
 
 
 def banner(addresses: ServingAddresses, workers: LocalWorkers) -> str:
@@ -130,6 +150,12 @@ async def serve_local(args: argparse.Namespace) -> None:
 
 def run_local(args: argparse.Namespace) -> int:
     """Entry point of the default command; returns the exit status."""
+    if not args.drain_timeout > 0:
+        print(
+            f"epd_actors: --drain-timeout must be positive, got {args.drain_timeout}",
+            file=sys.stderr,
+        )
+        return 2
     status = 0
     try:
         trio.run(serve_local, args)

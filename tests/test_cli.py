@@ -49,3 +49,22 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         parsed(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"epd_actors {__version__}"
+
+
+@pytest.mark.parametrize(
+    ("http_port", "ws_port", "expected"),
+    [(8000, None, 8001), (0, None, 0), (9000, 7000, 7000), (0, -1, -1)],
+    ids=["next-port", "any-port-with-port-0", "as-given", "none"],
+)
+def test_the_local_websocket_port_never_collides_with_port_0(
+    http_port: int, ws_port: int | None, expected: int
+) -> None:
+    from epd_actors.local import local_ws_port
+
+    assert local_ws_port(http_port, ws_port) == expected
+
+
+def test_local_takes_a_drain_timeout() -> None:
+    args = parsed(["--port", "0", "--drain-timeout", "2.5"])
+    assert (args.port, args.ws_port, args.drain_timeout) == (0, None, 2.5)  # type: ignore[attr-defined]
+    assert parsed([]).drain_timeout == 30.0  # type: ignore[attr-defined]
