@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from .actors import STAGE_ACTORS
+from .actors import STAGE_ACTORS, stage_policy
 from .config_file import FileConfig, load_config
 from .errors import ConfigError
 from .router import build_catalog, build_pools
@@ -53,7 +53,7 @@ def describe(config: FileConfig) -> str:
     ]
     for pool in router.pools:
         lines.append(
-            f"pool {router.pool_name(pool)}: policy={pool.policy_name} "
+            f"pool {router.pool_name(pool)}: policy={stage_policy(pool.stage, pool.policy)} "
             f"max_in_flight_per_worker={pool.max_in_flight_per_worker}"
             + (" lora_loading" if pool.lora_loading else "")
         )

@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .actors import STAGE_ACTORS
 from .addresses import check_http_url as check_http_url  # where it lived before
 from .backends.kinds import backend_kind
 from .backends.native_settings import NativeSettings
@@ -25,9 +24,6 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from .lora import LoraAdapter
-
-FALLBACK_POLICY = "least_in_flight"
-"""The routing policy of a pool whose stage no registered actor class serves."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +49,10 @@ class PoolConfig:
     Attributes:
         stage: ``encode``, ``prefill``, ``decode`` or ``pd`` (or a registered stage).
         workers: its workers (may be empty and filled at run time).
-        policy: a routing policy name (see ``routing.policy_names()``); by
-            default the stage actor's ``default_policy`` (consistent hashing on
-            the media hash for encode, least-in-flight elsewhere).
+        policy: a routing policy name (see ``routing.policy_names()``); None:
+            the stage actor's ``default_policy`` (``actors.stage_policy``:
+            consistent hashing on the media hash for encode, least-in-flight
+            elsewhere).
         max_in_flight_per_worker: jobs one worker may hold from this router.
         policy_options: the policy's options by name (each policy lists its
             own; docs/routing.md), e.g. ``{"load_factor": 1.5}``.
@@ -74,13 +71,6 @@ class PoolConfig:
     policy_options: Mapping[str, object] = field(default_factory=dict)
     model: str | None = None
     lora_loading: bool = False
-
-    @property
-    def policy_name(self) -> str:
-        if self.policy:
-            return self.policy
-        actor = STAGE_ACTORS.get(self.stage)
-        return FALLBACK_POLICY if actor is None else actor.default_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,10 +250,11 @@ def validate(config: RouterConfig) -> None:
             model = config.pool_model(pool)
             raise ConfigError(f"{key}: configured twice for model {model!r}")
         seen_pools.add(name)
-        try:
-            build_policy(pool.policy_name, pool.policy_options)
-        except ConfigError as exc:
-            raise ConfigError(f"{key}.policy: {exc}") from None
+        if pool.policy is not None:  # else the stage actor's default, checked by build_pools
+            try:
+                build_policy(pool.policy, pool.policy_options)
+            except ConfigError as exc:
+                raise ConfigError(f"{key}.policy: {exc}") from None
         if pool.max_in_flight_per_worker < 1:
             raise ConfigError(f"{key}.max_in_flight_per_worker must be >= 1")
         for index, worker in enumerate(pool.workers):

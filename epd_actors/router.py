@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ._groups import single_exception
-from .actors import STAGE_ACTORS
+from .actors import STAGE_ACTORS, stage_policy
 from .backends.base import ManagedBackend, WorkerRequirement
 from .backends.kinds import backend_kind
 from .config import PoolConfig, RouterConfig, WorkerEndpoint, pool_name
@@ -235,9 +235,13 @@ def build_pools(config: RouterConfig) -> dict[str, WorkerPool]:
     for pool in config.pools:
         name = config.pool_name(pool)
         model = config.pool_model(pool)
+        try:
+            policy = build_policy(stage_policy(pool.stage, pool.policy), pool.policy_options)
+        except ConfigError as exc:
+            raise ConfigError(f"pools.{pool.stage}.policy: {exc}") from None
         pools[name] = WorkerPool(
             pool.stage,
-            build_policy(pool.policy_name, pool.policy_options),
+            policy,
             max_in_flight_per_worker=pool.max_in_flight_per_worker,
             health=config.health,
             requirement=worker_requirement(

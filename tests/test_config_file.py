@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_actors.check_config import describe
+from epd_actors.check_config import check_topology, describe
 from epd_actors.cli import main
 from epd_actors.config_file import load_config, parse_config
 from epd_actors.errors import ConfigError
@@ -40,7 +40,7 @@ def test_defaults_of_a_minimal_file(tmp_path: Path) -> None:
     path.write_text(MINIMAL)
     config = load_config(path, environ={})
     assert config.router.auth_token == ""
-    assert config.router.pools[0].policy_name == "least_in_flight"
+    assert config.router.pools[0].policy is None  # the stage actor's default_policy applies
     assert config.server.http_listen == "127.0.0.1:8000"
     assert config.server.http.api_keys == ()
     assert config.server.drain_timeout_s == 30.0
@@ -58,9 +58,11 @@ def test_a_pool_takes_its_policy_s_options(tmp_path: Path) -> None:
         "cache_aware",
         {"cache_threshold": 0.3, "balance_abs_threshold": 64},
     )
+    # Options of a pool's default policy are checked where the default is known: when the
+    # pools are built (check-config and serve do that before anything starts).
     path.write_text(MINIMAL + "[pools.pd.policy_options]\nthreshold = 1\n")
     with pytest.raises(ConfigError, match=r"pools\.pd\.policy: .*no option threshold"):
-        load_config(path, environ={})
+        check_topology(load_config(path, environ={}))
 
 
 def test_unknown_fields_forward_reaches_both_front_ends(tmp_path: Path) -> None:

@@ -152,3 +152,12 @@ def test_an_unregistered_kind_is_refused_naming_the_registered_ones() -> None:
     bad = WorkerEndpoint("d-0", "sim:decode", backend="simulated")
     with pytest.raises(ConfigError, match=r"unknown backend 'simulated' \(choose from native"):
         RouterConfig((PoolConfig("decode", (bad,)),))
+
+
+def test_a_pool_without_a_policy_gets_its_stage_actor_s_default() -> None:
+    from epd_actors.actors import stage_policy
+
+    assert stage_policy("encode", None) == "consistent_hash"
+    assert stage_policy("pd", None) == "least_in_flight"
+    assert stage_policy("encode", "round_robin") == "round_robin"
+    assert stage_policy("a-stage-nobody-serves", None) == "least_in_flight"

@@ -6,7 +6,7 @@ Importing this package registers the built-in stages (encode, prefill, decode, p
 from . import decode, encode, pd, prefill
 from .base import ActorStatistics, BaseActor
 from .jobs import Job, StageContext, StageEvent, StageFailure, StageOutput
-from .registry import STAGE_ACTORS, actor_class, register_stage
+from .registry import STAGE_ACTORS, actor_class, register_stage, stage_policy
 
 __all__ = [
     "STAGE_ACTORS",
@@ -23,4 +23,5 @@ __all__ = [
     "pd",
     "prefill",
     "register_stage",
+    "stage_policy",
 ]

@@ -39,3 +39,16 @@ def actor_class(stage: str, registry: dict[str, type[BaseActor]] | None = None) 
     except KeyError:
         known = ", ".join(sorted(target))
         raise ConfigError(f"unknown stage {stage!r} (known: {known})") from None
+
+
+def stage_policy(
+    stage: str, configured: str | None, registry: dict[str, type[BaseActor]] | None = None
+) -> str:
+    """A pool's routing policy: ``configured``, else its stage actor's ``default_policy``.
+
+    A stage no actor class serves gets :attr:`BaseActor.default_policy`.
+    """
+    if configured:
+        return configured
+    target = STAGE_ACTORS if registry is None else registry
+    return target.get(stage, BaseActor).default_policy
