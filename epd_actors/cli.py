@@ -27,6 +27,7 @@ from .check_config import add_check_config_arguments, check_topology, run_check_
 from .config_file import FileConfig, load_config, parse_host_port
 from .errors import ConfigError
 from .local import add_local_arguments, run_local
+from .logs import LOG_FORMATS, configure_logging
 from .server import serve_router
 from .worker.cli import add_worker_arguments, run_worker
 
@@ -51,6 +52,12 @@ def _add_log_level(parser: argparse.ArgumentParser, default: object) -> None:
         help="DEBUG, INFO, WARNING (default), ERROR or CRITICAL, in any case; "
         "before or after the command",
     )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text" if default is not argparse.SUPPRESS else argparse.SUPPRESS,
+        help="text (default) or json: one JSON object per line, for log pipelines",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="the TOML configuration file")
     serve.add_argument("--http-listen", default=None, help="HOST:PORT (overrides the file)")
     serve.add_argument("--ws-listen", default=None, help="HOST:PORT (overrides the file)")
+    serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log one line per HTTP request (as [server] access_log = true), at any --log-level",
+    )
     worker = commands.add_parser("worker", parents=[common], help="run one native worker")
     add_worker_arguments(worker)
     check = commands.add_parser(
@@ -90,10 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns the exit status."""
     arguments = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(_with_command(arguments))
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level, args.log_format)
     raise_open_file_limit()
     runners = {
         "local": run_local,
@@ -114,9 +123,9 @@ def _with_command(arguments: list[str]) -> list[str]:
     while index < len(arguments):
         if arguments[index] in ("-h", "--help", "--version"):
             return arguments
-        if arguments[index] == "--log-level":
+        if arguments[index] in ("--log-level", "--log-format"):
             index += 2
-        elif arguments[index].startswith("--log-level="):
+        elif arguments[index].startswith(("--log-level=", "--log-format=")):
             index += 1
         else:
             break
@@ -159,6 +168,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.ws_listen:
             parse_host_port(args.ws_listen, key="--ws-listen")
             server = replace(server, ws_listen=args.ws_listen)
+        if args.access_log:
+            server = replace(server, http=replace(server.http, access_log=True))
         config = replace(config, server=server)
         check_topology(config)
     except ConfigError as exc:

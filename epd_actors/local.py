@@ -25,6 +25,7 @@ from .config import PoolConfig, RouterConfig, WorkerEndpoint
 from .config_file import FileConfig, ServerConfig
 from .deployment import LocalWorkers, WorkerSpec, open_local_workers
 from .errors import WorkerError
+from .frontends.http_app import HttpSettings
 from .server import ServingAddresses, serve_router
 from .worker.cli import AUTH_TOKEN_ENV
 
@@ -45,6 +46,7 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
         help="WebSocket port (0: any; -1: no WebSocket; default: the HTTP port + 1, "
         "or any free one with --port 0)",
     )
+    parser.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
     parser.add_argument(
         "--drain-timeout",
         type=float,
@@ -92,7 +94,12 @@ def local_config(args: argparse.Namespace, workers: LocalWorkers, token: str) ->
     )
     ws_port = local_ws_port(args.port, args.ws_port)
     ws_listen = None if ws_port < 0 else f"{args.host}:{ws_port}"
-    server = ServerConfig(f"{args.host}:{args.port}", ws_listen, drain_timeout_s=args.drain_timeout)
+    server = ServerConfig(
+        f"{args.host}:{args.port}",
+        ws_listen,
+        drain_timeout_s=args.drain_timeout,
+        http=HttpSettings(access_log=args.access_log),
+    )
     return FileConfig(router, server)
 
 

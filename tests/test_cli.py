@@ -68,3 +68,20 @@ def test_local_takes_a_drain_timeout() -> None:
     args = parsed(["--port", "0", "--drain-timeout", "2.5"])
     assert (args.port, args.ws_port, args.drain_timeout) == (0, None, 2.5)  # type: ignore[attr-defined]
     assert parsed([]).drain_timeout == 30.0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [["--log-format", "json", "check-config", "x"], ["check-config", "--log-format=json", "x"]],
+    ids=["before", "after"],
+)
+def test_the_log_format_goes_before_or_after_the_command(arguments: list[str]) -> None:
+    args = parsed(arguments)
+    assert (args.command, args.log_format) == ("check-config", "json")  # type: ignore[attr-defined]
+
+
+def test_local_and_serve_take_an_access_log_switch() -> None:
+    assert parsed(["--access-log"]).access_log is True  # type: ignore[attr-defined]
+    assert parsed([]).access_log is False  # type: ignore[attr-defined]
+    serve = parsed(["serve", "--config", "x.toml", "--access-log"])
+    assert serve.access_log is True  # type: ignore[attr-defined]

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
+from ..logs import enable_access_log
 from .http_app import HttpApp, HttpSettings, RouterHttpApp
 from .http_connection import ROUTES, HttpConnection
 from .http_errors import ErrorResponse, HttpError, error_response
@@ -105,6 +106,8 @@ class HttpServer:
         self.settings = settings
         self.fetcher = fetcher
         self.connections = 0
+        if settings.access_log:
+            enable_access_log()
         self._api_keys = tuple(key.encode() for key in settings.api_keys)
         self._admin_keys = tuple(key.encode() for key in settings.admin_keys)
 

@@ -53,6 +53,7 @@ import trio
 
 from .._groups import single_exception
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
+from ..logs import ACCESS_LOGGER
 from ..models import model_ids, model_list_body
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
 from ..transport import send_some_nowait
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
     from .media import MediaFetcher
 
 logger = logging.getLogger("epd_actors.frontends.http")
+access_logger = logging.getLogger(ACCESS_LOGGER)
 
 ROUTES: Final = {
     "/v1/chat/completions": "POST",
@@ -673,7 +675,7 @@ class HttpConnection:
     def _log_exchange(self, exchange: _Exchange) -> None:
         self.app.observe_http(exchange.route, exchange.status)
         if self.settings.access_log:
-            logger.info(
+            access_logger.info(
                 '[%s] "%s %s" %d %dB %.1fms',
                 exchange.rid,
                 exchange.method,
