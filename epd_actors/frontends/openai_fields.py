@@ -173,14 +173,19 @@ def response_format(value: object, param: str) -> object:
     return value
 
 
-def tool(value: object, param: str) -> object:
-    """One entry of ``tools``: ``{"type": "function", "function": {"name", ...}}``."""
+def _function(value: object, param: str) -> dict[str, object]:
+    """``{"type": "function", "function": {...}}``: its ``function`` object, checked for shape."""
     fields = json_object(value, param)
     assert isinstance(fields, dict)
     one_of("function")(fields.get("type"), f"{param}.type")
-    function = fields.get("function")
-    json_object(function, f"{param}.function")
+    function = json_object(fields.get("function"), f"{param}.function")
     assert isinstance(function, dict)
+    return function
+
+
+def tool(value: object, param: str) -> object:
+    """One entry of ``tools``: ``{"type": "function", "function": {"name", ...}}``."""
+    function = _function(value, param)
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidRequest(
@@ -196,13 +201,7 @@ def tool_choice(value: object, param: str) -> object:
     """``none``, ``auto``, ``required``, or ``{"type": "function", "function": {"name"}}``."""
     if isinstance(value, str):
         return one_of("none", "auto", "required")(value, param)
-    fields = json_object(value, param)
-    assert isinstance(fields, dict)
-    one_of("function")(fields.get("type"), f"{param}.type")
-    function = fields.get("function")
-    json_object(function, f"{param}.function")
-    assert isinstance(function, dict)
-    string(function.get("name"), f"{param}.function.name")
+    string(_function(value, param).get("name"), f"{param}.function.name")
     return value
 
 
