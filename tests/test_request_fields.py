@@ -417,3 +417,25 @@ def test_the_http_docs_list_every_field_with_its_support() -> None:
         assert (native_sim == "applied") == (name in SIM_OPTIONS), name
     for name, rule in REFUSED_FIELDS.items():
         assert rows[name][1] == rule.reason, name
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"continuous_usage_stats": True}, "stream_options.continuous_usage_stats"),
+        ({"include_obfuscation": False}, "stream_options.include_obfuscation"),
+    ],
+    ids=["usage-per-chunk", "unknown"],
+)
+def test_stream_options_the_router_cannot_honour_are_refused(
+    options: dict[str, object], param: str
+) -> None:
+    assert refusal(chat_body(stream=True, stream_options=options)).param == param
+
+
+def test_harmless_stream_options_are_taken() -> None:
+    body = chat_body(
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": False, "x": None},
+    )
+    assert parse(body).include_usage is True  # type: ignore[attr-defined]

@@ -353,6 +353,22 @@ def _stream_options(value: object, *, stream: bool) -> bool:
             "stream_options is only allowed when stream is true", param="stream_options"
         )
     options = _object(value, "stream_options")
+    for key, item in options.items():
+        if key == "include_usage" or item is None:
+            continue
+        if key == "continuous_usage_stats":
+            if _boolean(item, "stream_options.continuous_usage_stats"):
+                raise InvalidRequest(
+                    "usage in every chunk is not relayed by the router: its streams carry "
+                    "usage in the last chunk (include_usage)",
+                    param="stream_options.continuous_usage_stats",
+                )
+            continue
+        raise InvalidRequest(
+            f"unknown stream option {key!r}",
+            param=f"stream_options.{key}",
+            code="unknown_parameter",
+        )
     return _optional(options, "include_usage", _boolean, prefix="stream_options.") or False
 
 
