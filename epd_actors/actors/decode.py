@@ -41,16 +41,8 @@ class DecodeActor(BaseActor):
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
         context = job.context
-        request = context.request
         generate = GenerateRequest(
-            job.request_id,
-            request.prompt,
-            request.media,
-            request.sampling,
-            kv_transfer_params=context.kv_transfer_params,
-            ec_transfer_params=context.ec_transfer_params,
-            options=request.options,
-            lora_adapter=context.adapter,
+            job.request_id, kv_transfer_params=context.kv_transfer_params, **context.prompt_fields()
         )
         try:
             await self.stream_output(job, backend, generate)

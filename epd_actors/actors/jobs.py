@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import trio
 
@@ -24,6 +24,7 @@ from ..protocol import Delta
 if TYPE_CHECKING:
     from ..errors import EpdError
     from ..output_relay import OutputRelay
+    from ..protocol import MediaItem, Prompt, SamplingParams
     from ..request import GenerationRequest
 
 Compensation = Callable[[], Awaitable[object]]
@@ -54,6 +55,17 @@ class StageFailure:
 StageEvent = Delta | StageOutput | StageFailure
 
 
+class PromptFields(TypedDict):
+    """What ``PrefillRequest`` and ``GenerateRequest`` share (``StageContext.prompt_fields``)."""
+
+    prompt: Prompt
+    media: tuple[MediaItem, ...]
+    sampling: SamplingParams
+    ec_transfer_params: dict[str, object] | None
+    options: dict[str, object] | None
+    lora_adapter: str | None
+
+
 @dataclass(slots=True)
 class StageContext:
     """A request plus what its earlier stages produced.
@@ -81,6 +93,22 @@ class StageContext:
             self.kv_transfer_params = output.kv_transfer_params
         if output.prompt_tokens is not None:
             self.prompt_tokens = output.prompt_tokens
+
+    def prompt_fields(self) -> PromptFields:
+        """What a prefill or generate request takes from the request and E's output.
+
+        The fields ``PrefillRequest`` and ``GenerateRequest`` share, so a field
+        added to both is filled in one place.
+        """
+        request = self.request
+        return {
+            "prompt": request.prompt,
+            "media": request.media,
+            "sampling": request.sampling,
+            "ec_transfer_params": self.ec_transfer_params,
+            "options": request.options,
+            "lora_adapter": self.adapter,
+        }
 
 
 @dataclass(eq=False, slots=True)

@@ -31,18 +31,8 @@ class PrefillActor(BaseActor):
         return deadlines.prefill_timeout_s
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
-        context = job.context
-        request = context.request
         result = await backend.run_stage(
-            PrefillRequest(
-                job.request_id,
-                request.prompt,
-                request.media,
-                request.sampling,
-                ec_transfer_params=context.ec_transfer_params,
-                options=request.options,
-                lora_adapter=context.adapter,
-            )
+            PrefillRequest(job.request_id, **job.context.prompt_fields())
         )
         kv = result.kv_transfer_params
         if kv is not None:
