@@ -104,7 +104,9 @@ def test_a_shared_prefix_goes_back_to_the_worker_that_has_it() -> None:
     again = policy.choose(candidates, key(SYSTEM + "question two", "aff-2"))
     assert again is not None
     assert again.worker_id == first.worker_id
-    assert (policy.lookups, policy.hits) == (2, 1)
+    stats = policy.statistics()
+    assert (stats.lookups, stats.hits, stats.evicted) == (2, 1, 0)
+    assert stats.blocks == len(blocks(SYSTEM + "question two"))  # shared blocks held once
 
 
 def test_a_match_below_the_threshold_is_routed_as_cold() -> None:

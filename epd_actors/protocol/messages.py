@@ -203,11 +203,6 @@ class SamplingParams:
         )
         require(self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0")
 
-    @property
-    def greedy(self) -> bool:
-        """Whether the client asked for greedy sampling (``temperature`` 0)."""
-        return self.temperature == 0.0
-
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
