@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import h11
 
-from epd_actors.backends.openai_http_contract import DeltaParser, SseDecoder
+from epd_actors.backends.openai_http.contract import DeltaParser, SseDecoder
 from epd_actors.protocol import Delta, decode_body, encode
 from epd_actors.protocol.codec import HEADER
 
@@ -114,7 +114,7 @@ def main() -> None:
     h11_us = per_item(lambda: connection.send(h11.Data(data=piece)), 1, number, repeat)
     print(f"SSE chunk framing     {h11_us:6.2f} µs   (h11.Data)")
     try:
-        from epd_actors.frontends.http_body import body_framer
+        from epd_actors.http.body import body_framer
     except ImportError:
         return
     frame_piece = body_framer(connection)

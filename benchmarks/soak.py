@@ -51,14 +51,14 @@ import httpx
 import trio
 
 from epd_actors.addresses import parse_address
-from epd_actors.backends.native import NativeBackend, NativeSettings
-from epd_actors.deployment import WorkerSpec, worker_command
-from epd_actors.frontends.media import MediaLimits, resolve_media
-from epd_actors.frontends.openai_schema import parse_chat_completion
+from epd_actors.backends.native.backend import NativeBackend, NativeSettings
+from epd_actors.core.router import open_router
+from epd_actors.openai.media import MediaLimits, resolve_media
+from epd_actors.openai.schema import parse_chat_completion
+from epd_actors.program.deployment import WorkerSpec, worker_command
+from epd_actors.program.worker import AUTH_TOKEN_ENV
 from epd_actors.request import DeltaEvent
-from epd_actors.router import open_router
 from epd_actors.testing import build_sim_fleet, sim_config
-from epd_actors.worker.cli import AUTH_TOKEN_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak_checks import OK, Outcome, ProcessSample, Tally, judge_stream, refused_outcome
@@ -66,7 +66,7 @@ from soak_checks import OK, Outcome, ProcessSample, Tally, judge_stream, refused
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from epd_actors.router import Router
+    from epd_actors.core.router import Router
 
 MODEL = "sim-model"
 LAYOUT = {"encode": ("e0", "e1"), "prefill": ("p0", "p1"), "decode": ("d0", "d1")}

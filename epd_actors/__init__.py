@@ -8,7 +8,8 @@ The embeddable API::
                 ...
 """
 
-from .config import ActorLimits, Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
+from .core.config import ActorLimits, Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
+from .core.router import Router, open_router
 from .errors import (
     ConfigError,
     EpdError,
@@ -30,7 +31,6 @@ from .request import (
     RequestTimings,
     UsageEvent,
 )
-from .router import Router, open_router
 
 __version__ = "0.1.0"
 

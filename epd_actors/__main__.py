@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli import main
+from .program.cli import main
 
 # The guard matters: vLLM starts its engine-core process with "spawn", which
 # imports this module again in the child (as __mp_main__).

@@ -1,11 +1,11 @@
 """Helpers for testing code that uses epd_actors: a simulated fleet in one process.
 
 ``build_sim_fleet({"encode": 2, "prefill": 1, "decode": 1})`` makes one
-:class:`~epd_actors.worker.engines.sim.SimEngine` per worker, all sharing
+:class:`~epd_actors.simulator.engine.SimEngine` per worker, all sharing
 in-memory stores, each behind an
 :class:`~epd_actors.backends.inprocess.InProcessBackend`, grouped into pools.
-Hand ``fleet.pools`` to a :class:`~epd_actors.supervisor.Supervisor`, or use
-``fleet.backend_factory`` with :func:`~epd_actors.router.open_router` and
+Hand ``fleet.pools`` to a :class:`~epd_actors.core.supervisor.Supervisor`, or use
+``fleet.backend_factory`` with :func:`~epd_actors.core.router.open_router` and
 ``fleet.router_config()``.
 """
 
@@ -15,12 +15,12 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from .backends.inprocess import InProcessBackend
-from .config import Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
-from .pool import WorkerPool
+from .core.config import Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
+from .core.pool import WorkerPool
+from .core.routing import make_policy
 from .protocol import Role
-from .routing import make_policy
-from .worker.engines.sim import SimConfig, SimCounters, SimEngine
-from .worker.engines.sim_store import SimStores, create_sim_stores
+from .simulator.engine import SimConfig, SimCounters, SimEngine
+from .simulator.store import SimStores, create_sim_stores
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

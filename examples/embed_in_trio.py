@@ -15,8 +15,8 @@ import tempfile
 import trio
 
 import epd_actors
-from epd_actors.deployment import WorkerSpec, open_local_workers
-from epd_actors.worker.cli import AUTH_TOKEN_ENV
+from epd_actors.program.deployment import WorkerSpec, open_local_workers
+from epd_actors.program.worker import AUTH_TOKEN_ENV
 
 
 def router_config(addresses: dict[str, str], token: str) -> epd_actors.RouterConfig:

@@ -1,7 +1,7 @@
 """Native workers served over memory streams, and a router backend factory that dials them.
 
 Each worker id names a real :class:`~epd_actors.worker.runtime.WorkerServer`;
-every connection attempt of its :class:`~epd_actors.backends.native.NativeBackend`
+every connection attempt of its :class:`~epd_actors.backends.native.backend.NativeBackend`
 opens a ``trio.testing.memory_stream_pair`` and serves the far end with the
 server registered under that id *at that moment*, so replacing the entry
 stands for a worker restarted on the same address.
@@ -16,15 +16,15 @@ import trio
 import trio.testing
 
 from epd_actors.addresses import parse_address
-from epd_actors.backends.native import NativeBackend, NativeSettings
-from epd_actors.config import PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.backends.native.backend import NativeBackend, NativeSettings
+from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint
 from epd_actors.protocol import Prompt, SamplingParams
 from epd_actors.request import GenerationRequest
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
 
 if TYPE_CHECKING:
+    from epd_actors.core.router import Router
     from epd_actors.request import GenerationEvent
-    from epd_actors.router import Router
 
     from .fakes import ScriptedEngine
 

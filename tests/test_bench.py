@@ -34,10 +34,10 @@ from epd_actors.bench import (
 )
 from epd_actors.bench.client import _StreamScan
 from epd_actors.bench.payload import BodyMaker, build_body
+from epd_actors.core.router import open_router
 from epd_actors.frontends.http import HttpSettings, RouterHttpApp, serve_http
-from epd_actors.router import open_router
+from epd_actors.simulator.engine import SimConfig
 from epd_actors.testing import build_sim_fleet
-from epd_actors.worker.engines.sim import SimConfig
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from epd_actors.errors import InvalidRequest
-from epd_actors.frontends.body_checks import (
+from epd_actors.openai.body_checks import (
     LoneSurrogate,
     dotted_path,
     find_lone_surrogate,
@@ -15,7 +15,7 @@ from epd_actors.frontends.body_checks import (
     reject_lone_surrogates,
     unknown_model,
 )
-from epd_actors.frontends.http_errors import error_response
+from epd_actors.openai.errors import error_response
 
 
 @pytest.mark.parametrize(

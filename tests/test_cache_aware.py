@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from epd_actors.actors.base import routed_prompt
-from epd_actors.config import PoolConfig, RouterConfig, WorkerEndpoint
-from epd_actors.errors import ConfigError
-from epd_actors.protocol import ChatMessage, MediaItem, Prompt, SamplingParams
-from epd_actors.request import GenerationRequest
-from epd_actors.router import open_router
-from epd_actors.routing import (
+from epd_actors.core.actors.base import routed_prompt
+from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.core.router import open_router
+from epd_actors.core.routing import (
     CacheAware,
     Candidate,
     PrefixIndex,
@@ -19,6 +16,9 @@ from epd_actors.routing import (
     make_policy,
     prompt_blocks,
 )
+from epd_actors.errors import ConfigError
+from epd_actors.protocol import ChatMessage, MediaItem, Prompt, SamplingParams
+from epd_actors.request import GenerationRequest
 from epd_actors.testing import build_sim_fleet
 
 WORKERS = ("p-a", "p-b", "p-c")

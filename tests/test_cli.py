@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from epd_actors import __version__
-from epd_actors.cli import _with_command, build_parser
+from epd_actors.program.cli import _with_command, build_parser
 
 
 def parsed(arguments: list[str]) -> object:
@@ -59,7 +59,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_local_websocket_port_never_collides_with_port_0(
     http_port: int, ws_port: int | None, expected: int
 ) -> None:
-    from epd_actors.local import local_ws_port
+    from epd_actors.program.local import local_ws_port
 
     assert local_ws_port(http_port, ws_port) == expected
 

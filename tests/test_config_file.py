@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from epd_actors.check_config import check_topology, describe
-from epd_actors.cli import main
-from epd_actors.config_file import load_config, parse_config
 from epd_actors.errors import ConfigError
+from epd_actors.program.check_config import check_topology, describe
+from epd_actors.program.cli import main
+from epd_actors.program.config_file import load_config, parse_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "epd.toml"
 ENV = {"EPD_AUTH_TOKEN": "tok", "EPD_API_KEYS": "k1, k2", "EPD_ADMIN_KEY": "adm"}
@@ -150,19 +150,19 @@ def test_check_config_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_every_settable_key_is_documented() -> None:
     import dataclasses
 
-    from epd_actors.config import ActorLimits, AdmissionLimits, Deadlines
+    from epd_actors.core.config import ActorLimits, AdmissionLimits, Deadlines
+    from epd_actors.core.health import HealthPolicy
+    from epd_actors.core.retry import RetryPolicy
     from epd_actors.frontends.http_app import HttpSettings
-    from epd_actors.frontends.media import MediaLimits
     from epd_actors.frontends.ws import WsSettings
-    from epd_actors.health import HealthPolicy
-    from epd_actors.retry import RetryPolicy
+    from epd_actors.openai.media import MediaLimits
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     # set from elsewhere: keys, media tables, and `fields` from `[server] unknown_fields`
     internal = {"api_keys", "admin_keys", "media", "policy", "access_log", "fields"}
     assert "`api_key` /" in docs
-    from epd_actors.backends.native_settings import NativeSettings
-    from epd_actors.backends.openai_http_settings import OpenAIHttpSettings
+    from epd_actors.backends.native.settings import NativeSettings
+    from epd_actors.backends.openai_http.settings import OpenAIHttpSettings
 
     classes = (
         ActorLimits, AdmissionLimits, Deadlines, HttpSettings, MediaLimits, WsSettings,
@@ -199,7 +199,7 @@ def test_backend_settings_sections(tmp_path: Path) -> None:
     ids=lambda p: str(p.relative_to(EXAMPLE.parent)),
 )
 def test_every_example_config_is_valid(path: Path) -> None:
-    from epd_actors.check_config import check_topology
+    from epd_actors.program.check_config import check_topology
 
     check_topology(load_config(path, environ=ENV))
 

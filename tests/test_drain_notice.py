@@ -9,10 +9,10 @@ import pytest
 import trio
 import trio.testing
 
-from epd_actors.config_file import FileConfig, ServerConfig
+from epd_actors.core.router import open_router
 from epd_actors.frontends.http import RouterHttpApp
-from epd_actors.router import open_router
-from epd_actors.server import serve_router
+from epd_actors.program.config_file import FileConfig, ServerConfig
+from epd_actors.program.serve import serve_router
 from epd_actors.testing import build_sim_fleet
 from tests.test_http_frontend import connected
 

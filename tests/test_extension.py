@@ -13,28 +13,28 @@ from typing import TYPE_CHECKING, ClassVar
 import pytest
 import trio
 
-import epd_actors.backends.kinds as kinds_module
-import epd_actors.routing.base as routing_module
-from epd_actors.actors import STAGE_ACTORS, BaseActor, StageOutput, register_stage
+import epd_actors.core.backend_kinds as kinds_module
+import epd_actors.core.routing.base as routing_module
 from epd_actors.backends.inprocess import InProcessBackend
-from epd_actors.backends.kinds import register_backend_kind
-from epd_actors.config import PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.core.actors import STAGE_ACTORS, BaseActor, StageOutput, register_stage
+from epd_actors.core.backend_kinds import register_backend_kind
+from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.core.lifecycle import Phase
+from epd_actors.core.router import open_router
+from epd_actors.core.routing import StatelessPolicy, register_policy
 from epd_actors.errors import ConfigError
-from epd_actors.lifecycle import Phase
 from epd_actors.protocol import Prompt, Role, SamplingParams
 from epd_actors.request import DoneEvent, GenerationRequest
-from epd_actors.router import open_router
-from epd_actors.routing import StatelessPolicy, register_policy
-from epd_actors.worker.engines.sim import SimConfig, SimEngine
-from epd_actors.worker.engines.sim_store import create_sim_stores
+from epd_actors.simulator.engine import SimConfig, SimEngine
+from epd_actors.simulator.store import create_sim_stores
 
 if TYPE_CHECKING:
     import random
     from collections.abc import Callable, Iterator, Mapping, Sequence
 
-    from epd_actors.actors import Job
     from epd_actors.backends.base import ManagedBackend, StageBackend
-    from epd_actors.routing import Candidate, Policy, RouteKey
+    from epd_actors.core.actors import Job
+    from epd_actors.core.routing import Candidate, Policy, RouteKey
 
 
 class LowestId(StatelessPolicy):
@@ -155,7 +155,7 @@ def test_an_unregistered_kind_is_refused_naming_the_registered_ones() -> None:
 
 
 def test_a_pool_without_a_policy_gets_its_stage_actor_s_default() -> None:
-    from epd_actors.actors import stage_policy
+    from epd_actors.core.actors import stage_policy
 
     assert stage_policy("encode", None) == "consistent_hash"
     assert stage_policy("pd", None) == "least_in_flight"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import trio
 
+from epd_actors.core.health import BreakerState, CircuitBreaker, HealthPolicy
+from epd_actors.core.supervisor import Supervisor
 from epd_actors.errors import ConfigError
-from epd_actors.health import BreakerState, CircuitBreaker, HealthPolicy
 from epd_actors.protocol import Prompt, SamplingParams
 from epd_actors.request import DoneEvent, GenerationRequest
-from epd_actors.supervisor import Supervisor
 from epd_actors.testing import build_sim_fleet, sim_config
 
 POLICY = HealthPolicy(failure_threshold=2, success_threshold=2, open_cooldown_s=10.0)
@@ -131,7 +131,7 @@ async def test_client_errors_never_count_against_a_worker() -> None:
 
 
 async def test_token_timeouts_count_against_the_worker(autojump_clock: object) -> None:
-    from epd_actors.config import Deadlines
+    from epd_actors.core.config import Deadlines
 
     fleet = build_sim_fleet({"prefill": 1, "decode": 2})
     for pool in fleet.pools.values():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import h11
 import pytest
 
-from epd_actors.frontends.http_body import body_framer
+from epd_actors.http.body import body_framer
 
 PIECES = (b"data: one\n\n", b"", "data: \u00e9t\u00e9\n\n".encode(), b"x" * 70_000)
 

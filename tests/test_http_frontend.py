@@ -12,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 
+from epd_actors.core.router import open_router
 from epd_actors.errors import (
     InvalidRequest,
     NoHealthyWorker,
@@ -38,7 +39,6 @@ from epd_actors.request import (
     RequestTimings,
     UsageEvent,
 )
-from epd_actors.router import open_router
 from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
 
 if TYPE_CHECKING:

@@ -61,7 +61,7 @@ async def test_failed_requests_are_counted_by_error_type() -> None:
 
 
 async def test_retries_and_refusals_are_exported() -> None:
-    from epd_actors.config import AdmissionLimits
+    from epd_actors.core.config import AdmissionLimits
 
     fleet = build_sim_fleet({"prefill": 2, "decode": 1})
     fleet.engines["prefill-0"].config = sim_config(prefill_error_rate=1.0)

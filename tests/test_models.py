@@ -16,19 +16,19 @@ import trio
 import trio.testing
 from trio_websocket import open_websocket_url
 
-from epd_actors.config import ModelConfig, PoolConfig, RouterConfig, WorkerEndpoint
-from epd_actors.config_file import parse_config
+from epd_actors.core.config import ModelConfig, PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.core.router import open_router
 from epd_actors.errors import AdapterLoadFailed, ConfigError, ModelNotFound, RemoteWorkerError
 from epd_actors.frontends.http_app import RouterHttpApp
 from epd_actors.frontends.ws import WsSettings, serve_ws
 from epd_actors.lora import AdapterLoads, LoraAdapter
+from epd_actors.program.config_file import parse_config
 from epd_actors.protocol import GenerateRequest, Prompt, Role, SamplingParams
 from epd_actors.request import DoneEvent, ErrorEvent, GenerationRequest
-from epd_actors.router import open_router
-from epd_actors.worker.engines.sim import SimConfig, SimEngine
-from epd_actors.worker.engines.sim_store import create_sim_stores
-from epd_actors.worker.openai_server import SimOpenAIServer, serve_openai
-from epd_actors.worker.sim_lora import LoraRefused, SimLoraAdapters
+from epd_actors.simulator.engine import SimConfig, SimEngine
+from epd_actors.simulator.lora import LoraRefused, SimLoraAdapters
+from epd_actors.simulator.openai_server import SimOpenAIServer, serve_openai
+from epd_actors.simulator.store import create_sim_stores
 
 from .memory_fleet import TOKEN, MemoryFleet, worker
 from .test_http_frontend import connected
@@ -36,8 +36,8 @@ from .test_http_frontend import connected
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from epd_actors.core.router import Router
     from epd_actors.request import GenerationEvent
-    from epd_actors.router import Router
 
 GUARD_S = 30
 ALPHA, BETA = "alpha", "beta"

@@ -23,7 +23,7 @@ import trio.testing
 
 from epd_actors.addresses import Address
 from epd_actors.backends.base import BackendStatus
-from epd_actors.backends.native import NativeBackend, NativeSettings
+from epd_actors.backends.native.backend import NativeBackend, NativeSettings
 from epd_actors.errors import (
     ConfigError,
     ConnectionLost,
@@ -55,7 +55,7 @@ from epd_actors.protocol import (
     WorkerStats,
 )
 from epd_actors.protocol.codec import HEADER, FrameDecoder, encode
-from epd_actors.transport import FramedStream
+from epd_actors.transport.framed import FramedStream
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
 
 from .fakes import ENGINE_FAILURES, ScriptedEngine, engine_error
@@ -73,7 +73,7 @@ FAST = NativeSettings(
     reconnect_backoff_start_s=0.25, reconnect_backoff_max_s=1.0, reconnect_jitter=0.0
 )
 GUARD_S = 600.0  # virtual seconds: a hung test fails instead of spinning the autojump clock
-LOGGER = "epd_actors.backends.native"
+LOGGER = "epd_actors.backends.native.backend"
 
 
 def make_server(engine: ScriptedEngine | None = None, **overrides: object) -> WorkerServer:

@@ -19,14 +19,14 @@ import trio.testing
 
 from epd_actors import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest
 from epd_actors.addresses import parse_address
-from epd_actors.backends.native import NativeBackend, NativeSettings
-from epd_actors.config import Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.backends.native.backend import NativeBackend, NativeSettings
+from epd_actors.core.config import Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.core.retry import RetryPolicy
+from epd_actors.core.router import Router, open_router
 from epd_actors.errors import StageTimeout
 from epd_actors.protocol import Prompt, Role, SamplingParams
-from epd_actors.retry import RetryPolicy
-from epd_actors.router import Router, open_router
-from epd_actors.worker.engines.sim import SimConfig, SimEngine
-from epd_actors.worker.engines.sim_store import create_sim_stores
+from epd_actors.simulator.engine import SimConfig, SimEngine
+from epd_actors.simulator.store import create_sim_stores
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
 
 TOKEN = "loss-token"

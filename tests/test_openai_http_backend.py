@@ -1,7 +1,7 @@
 """The ``openai_http`` backend against the simulator serving vLLM's HTTP contract.
 
 The simulated workers run in the test's own nursery behind
-:class:`~epd_actors.worker.openai_server.SimOpenAIServer` on 127.0.0.1, port 0
+:class:`~epd_actors.simulator.openai_server.SimOpenAIServer` on 127.0.0.1, port 0
 (real loopback sockets: the backend is an httpx client).  Every rule of the
 contract is asserted from the worker's side, through the request log each
 simulated server keeps (``server.log``, also served at ``GET /debug/requests``).
@@ -27,14 +27,14 @@ import pytest
 import trio
 import trio.testing
 
-from epd_actors.backends.native import NativeBackend
-from epd_actors.backends.openai_http import (
+from epd_actors.backends.native.backend import NativeBackend
+from epd_actors.backends.openai_http.backend import (
     OpenAIHttpBackend,
     OpenAIHttpBackendFactory,
     OpenAIHttpDeltaStream,
     OpenAIHttpSettings,
 )
-from epd_actors.backends.openai_http_contract import (
+from epd_actors.backends.openai_http.contract import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     DeltaParser,
@@ -46,7 +46,14 @@ from epd_actors.backends.openai_http_contract import (
     prefill_body,
     remote_decode_params,
 )
-from epd_actors.config import PoolConfig, RouterConfig, WorkerEndpoint, check_http_url
+from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint, check_http_url
+from epd_actors.core.router import (
+    DefaultBackendFactory,
+    default_backend_factory,
+    native_backend_factory,
+    open_router,
+    worker_requirement,
+)
 from epd_actors.errors import (
     ConfigError,
     InvalidRequest,
@@ -55,9 +62,9 @@ from epd_actors.errors import (
     WorkerDisconnected,
 )
 from epd_actors.frontends.http_app import RouterHttpApp
-from epd_actors.frontends.media import MediaLimits
-from epd_actors.frontends.openai_fields import FieldPolicy
-from epd_actors.frontends.openai_schema import parse_chat_completion
+from epd_actors.openai.fields import FieldPolicy
+from epd_actors.openai.media import MediaLimits
+from epd_actors.openai.schema import parse_chat_completion
 from epd_actors.protocol import (
     ChatMessage,
     EncodeRequest,
@@ -71,22 +78,15 @@ from epd_actors.protocol import (
     Usage,
 )
 from epd_actors.request import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest
-from epd_actors.router import (
-    DefaultBackendFactory,
-    default_backend_factory,
-    native_backend_factory,
-    open_router,
-    worker_requirement,
-)
-from epd_actors.worker.engines.sim import SimConfig, SimEngine
-from epd_actors.worker.engines.sim_store import SimStores, create_sim_stores
-from epd_actors.worker.openai_server import SimOpenAIServer, serve_openai
+from epd_actors.simulator.engine import SimConfig, SimEngine
+from epd_actors.simulator.openai_server import SimOpenAIServer, serve_openai
+from epd_actors.simulator.store import SimStores, create_sim_stores
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping
 
+    from epd_actors.core.router import Router
     from epd_actors.request import GenerationEvent
-    from epd_actors.router import Router
 
 GUARD_S = 10.0  # real seconds: a hung test fails instead of hanging the run
 MODEL = "sim-model"
@@ -981,8 +981,8 @@ async def read_to_the_end(stream: OpenAIHttpDeltaStream) -> None:
 
 
 def test_a_vllm_refusal_keeps_the_field_it_blames() -> None:
-    from epd_actors.backends.openai_http_contract import error_param
-    from epd_actors.frontends.http_errors import error_response
+    from epd_actors.backends.openai_http.contract import error_param
+    from epd_actors.openai.errors import error_response
 
     body = (
         b'{"object": "error", "message": "max_tokens is too large", "type": "BadRequestError",'

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 import pytest
 import trio
 
-from epd_actors.backends.openai_http import OpenAIHttpBackend, OpenAIHttpSettings
-from epd_actors.backends.openai_http_client import (
+from epd_actors.backends.openai_http.backend import OpenAIHttpBackend, OpenAIHttpSettings
+from epd_actors.errors import RemoteWorkerError, WorkerDisconnected
+from epd_actors.http.client import (
     BadResponse,
     ClientLimits,
     ConnectFailed,
@@ -25,7 +26,6 @@ from epd_actors.backends.openai_http_client import (
     ResponseTooLarge,
     WorkerHttpClient,
 )
-from epd_actors.errors import RemoteWorkerError, WorkerDisconnected
 from epd_actors.protocol import ErrorCode, GenerateRequest, PrefillRequest, Prompt
 
 if TYPE_CHECKING:

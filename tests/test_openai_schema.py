@@ -13,14 +13,14 @@ import pytest
 import trio
 
 from epd_actors.errors import ConfigError, InvalidRequest
-from epd_actors.frontends.media import (
+from epd_actors.openai.media import (
     MediaLimits,
     MediaPolicy,
     PendingMedia,
     open_media_fetcher,
     resolve_media,
 )
-from epd_actors.frontends.openai_schema import (
+from epd_actors.openai.schema import (
     ParsedRequest,
     SseFormatter,
     parse_chat_completion,

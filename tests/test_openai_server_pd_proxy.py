@@ -20,7 +20,7 @@ import re
 import httpx
 import trio
 
-from epd_actors.worker.engines.sim import SimConfig
+from epd_actors.simulator.engine import SimConfig
 
 from .test_openai_http_backend import GUARD_S, MODEL, sim_http_fleet
 

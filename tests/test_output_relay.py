@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from epd_actors.output_relay import OutputRelay
+from epd_actors.core.output_relay import OutputRelay
 from epd_actors.protocol import Delta, TokenLogprob
 from epd_actors.request import DeltaEvent, GenerationEvent
 

@@ -21,17 +21,17 @@ import httpx
 import pytest
 import trio
 
-from epd_actors.backends.openai_http import OpenAIHttpSettings
-from epd_actors.config import PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.backends.openai_http.backend import OpenAIHttpSettings
+from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.core.router import DefaultBackendFactory, open_router
 from epd_actors.frontends.http import serve_http
 from epd_actors.frontends.http_app import RouterHttpApp
-from epd_actors.frontends.openai_fields import ENGINE_FIELDS, ROUTER_FIELDS
+from epd_actors.openai.fields import ENGINE_FIELDS, ROUTER_FIELDS
 from epd_actors.protocol import Role
-from epd_actors.router import DefaultBackendFactory, open_router
-from epd_actors.worker.engines.sim import SIM_OPTIONS, SimConfig, SimEngine
-from epd_actors.worker.engines.sim_store import create_sim_stores
+from epd_actors.simulator.engine import SIM_OPTIONS, SimConfig, SimEngine
+from epd_actors.simulator.openai_server import SimOpenAIServer, serve_openai
+from epd_actors.simulator.store import create_sim_stores
 from epd_actors.worker.engines.vllm_io import VLLM_OPTIONS
-from epd_actors.worker.openai_server import SimOpenAIServer, serve_openai
 from tests.real_vllm import matrix
 from tests.real_vllm.matrix import (
     CHAT,

@@ -1,6 +1,6 @@
 """Every OpenAI request field reaches the engine or is refused by name (docs/http.md).
 
-The table itself (:mod:`epd_actors.frontends.openai_fields`) is tested field by
+The table itself (:mod:`epd_actors.openai.fields`) is tested field by
 field; then requests go through the HTTP and WebSocket front ends to the
 router, on the native backend (simulated workers) and on the HTTP backend (the
 simulator's vLLM HTTP double), to show that a forwarded field changes the
@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING
 import pytest
 from trio_websocket import open_websocket_url
 
+from epd_actors.core.router import open_router
 from epd_actors.errors import InvalidRequest
 from epd_actors.frontends.http import RouterHttpApp
-from epd_actors.frontends.openai_fields import (
+from epd_actors.frontends.ws import WsSettings
+from epd_actors.openai.fields import (
     ENGINE_FIELDS,
     REFUSED_FIELDS,
     ROUTER_FIELDS,
     FieldPolicy,
     engine_options,
 )
-from epd_actors.frontends.openai_schema import parse_chat_completion, parse_completion
-from epd_actors.frontends.ws import WsSettings
+from epd_actors.openai.schema import parse_chat_completion, parse_completion
 from epd_actors.protocol import ChatMessage, Prompt, SamplingParams
 from epd_actors.request import DeltaEvent, DoneEvent, GenerationRequest
-from epd_actors.router import open_router
 from epd_actors.testing import build_sim_fleet
 from tests.test_http_frontend import ScriptedApp, connected
 from tests.test_openai_http_backend import fleet_router, sim_http_fleet
@@ -39,7 +39,7 @@ from tests.test_ws_frontend import receive, send, serving
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from epd_actors.router import Router
+    from epd_actors.core.router import Router
 
 CHAT_BODY: dict[str, object] = {
     "model": "sim-model",
@@ -116,14 +116,14 @@ def chat_body(**fields: object) -> dict[str, object]:
 
 
 def parse(body: dict[str, object], policy: FieldPolicy | None = None) -> object:
-    from epd_actors.frontends.media import MediaLimits
+    from epd_actors.openai.media import MediaLimits
 
     kwargs = {} if policy is None else {"policy": policy}
     return parse_chat_completion(body, request_id="r", limits=MediaLimits(), **kwargs)
 
 
 def refusal(body: dict[str, object], *, completion: bool = False) -> InvalidRequest:
-    from epd_actors.frontends.media import MediaLimits
+    from epd_actors.openai.media import MediaLimits
 
     parser = parse_completion if completion else parse_chat_completion
     with pytest.raises(InvalidRequest) as caught:
@@ -400,7 +400,7 @@ def test_the_http_docs_list_every_field_with_its_support() -> None:
     """docs/http.md's tables say, per backend, what the code does with each field."""
     from pathlib import Path
 
-    from epd_actors.worker.engines.sim import SIM_OPTIONS
+    from epd_actors.simulator.engine import SIM_OPTIONS
     from epd_actors.worker.engines.vllm_io import VLLM_OPTIONS
 
     text = (Path(__file__).parent.parent / "docs" / "http.md").read_text()

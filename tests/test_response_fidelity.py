@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING
 import pytest
 import trio
 
-from epd_actors.backends.openai_http import OpenAIHttpSettings
-from epd_actors.backends.openai_http_contract import DeltaParser, SseDecoder
-from epd_actors.config import PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.backends.openai_http.backend import OpenAIHttpSettings
+from epd_actors.backends.openai_http.contract import DeltaParser, SseDecoder
+from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.core.router import DefaultBackendFactory, open_router
 from epd_actors.frontends.http import RouterHttpApp
 from epd_actors.frontends.ws_messages import delta_messages
 from epd_actors.protocol import Role, TokenLogprob
 from epd_actors.request import DeltaEvent
-from epd_actors.router import DefaultBackendFactory, open_router
-from epd_actors.worker.engines.sim import SimEngine
-from epd_actors.worker.engines.sim_store import create_sim_stores
+from epd_actors.simulator.engine import SimEngine
+from epd_actors.simulator.store import create_sim_stores
 
 from .memory_fleet import MemoryFleet, worker
 from .test_http_frontend import connected
@@ -38,7 +38,7 @@ from .test_openai_http_client import backend_replies, canned_server
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from epd_actors.router import Router
+    from epd_actors.core.router import Router
 
 GUARD_S = 10.0  # real seconds: loopback sockets and the real clock
 MODEL = "sim-model"

@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from epd_actors import GenerationRequest, Prompt, SamplingParams, open_router
-from epd_actors.config import PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint
 from epd_actors.errors import ConfigError
 from epd_actors.frontends.admin import RouterAdmin
 from epd_actors.request import DoneEvent

@@ -1,4 +1,4 @@
-"""Tests for the worker-selection policies in epd_actors.routing.
+"""Tests for the worker-selection policies in epd_actors.core.routing.
 
 Every test is synchronous and deterministic: randomness comes from seeded
 ``random.Random`` instances, and the load-balancing tests simulate assignment
@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from epd_actors.errors import ConfigError
-from epd_actors.routing import (
+from epd_actors.core.routing import (
     POLICY_NAMES,
     CacheAware,
     Candidate,
@@ -29,6 +28,7 @@ from epd_actors.routing import (
     affinity_for_prompt,
     make_policy,
 )
+from epd_actors.errors import ConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

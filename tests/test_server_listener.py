@@ -8,8 +8,8 @@ import resource
 import pytest
 import trio
 
-from epd_actors import cli
-from epd_actors.server import BurstListener
+from epd_actors.program import cli
+from epd_actors.program.serve import BurstListener
 
 
 async def _listener(burst: int) -> BurstListener:

@@ -31,7 +31,14 @@ from epd_actors.protocol import (
     SamplingParams,
     StageResult,
 )
-from epd_actors.worker.engines.sim import (
+from epd_actors.simulator.cli import (
+    add_sim_arguments,
+    option_name,
+    sim_args_from_config,
+    sim_config_from_args,
+    sim_stores_from_args,
+)
+from epd_actors.simulator.engine import (
     KV_HANDLE_KEY,
     SimConfig,
     SimCounters,
@@ -40,14 +47,7 @@ from epd_actors.worker.engines.sim import (
     prompt_digest,
     sim_knobs,
 )
-from epd_actors.worker.engines.sim_cli import (
-    add_sim_arguments,
-    option_name,
-    sim_args_from_config,
-    sim_config_from_args,
-    sim_stores_from_args,
-)
-from epd_actors.worker.engines.sim_store import (
+from epd_actors.simulator.store import (
     DirectoryKVStore,
     MemoryKVStore,
     SimStores,

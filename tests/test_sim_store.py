@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from epd_actors.worker.engines.sim_store import (
+from epd_actors.simulator.store import (
     DirectoryEncoderCacheStore,
     DirectoryKVStore,
     EncoderCacheEntry,

@@ -16,9 +16,9 @@ import pytest
 import trio
 import trio.testing
 
-from epd_actors.frontends.http_body import body_framer
-from epd_actors.frontends.openai_format import SseFormatter
 from epd_actors.frontends.sse_direct import DirectSseWriter
+from epd_actors.http.body import body_framer
+from epd_actors.openai.format import SseFormatter
 from epd_actors.request import DeltaEvent, GenerationEvent
 
 if TYPE_CHECKING:

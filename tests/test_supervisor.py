@@ -9,9 +9,12 @@ import pytest
 import trio
 import trio.testing
 
-from epd_actors.actors import BaseActor, Job, StageContext, StageOutput
-from epd_actors.actors.registry import STAGE_ACTORS, register_stage
-from epd_actors.config import ActorLimits, AdmissionLimits, Deadlines
+from epd_actors.core.actors import BaseActor, Job, StageContext, StageOutput
+from epd_actors.core.actors.registry import STAGE_ACTORS, register_stage
+from epd_actors.core.config import ActorLimits, AdmissionLimits, Deadlines
+from epd_actors.core.lifecycle import Phase
+from epd_actors.core.retry import RetryPolicy
+from epd_actors.core.supervisor import Supervisor
 from epd_actors.errors import (
     ActorCrashed,
     ConfigError,
@@ -23,7 +26,6 @@ from epd_actors.errors import (
     StageTimeout,
     WorkerDisconnected,
 )
-from epd_actors.lifecycle import Phase
 from epd_actors.limits import REQUEST_EVENT_BUFFER
 from epd_actors.protocol import ChatMessage, MediaItem, Prompt, SamplingParams
 from epd_actors.request import (
@@ -34,8 +36,6 @@ from epd_actors.request import (
     GenerationRequest,
     UsageEvent,
 )
-from epd_actors.retry import RetryPolicy
-from epd_actors.supervisor import Supervisor
 from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
 
 if TYPE_CHECKING:
@@ -517,8 +517,8 @@ async def test_a_new_stage_is_one_class_and_one_registry_line() -> None:
     register_stage(Checkpoint, registry)
     fleet = build_sim_fleet(EPD)
     # The toy stage borrows the prefill workers' backends for its pool.
-    from epd_actors.pool import WorkerPool
-    from epd_actors.routing import make_policy
+    from epd_actors.core.pool import WorkerPool
+    from epd_actors.core.routing import make_policy
 
     pool = WorkerPool("checkpoint", make_policy("round_robin"), max_in_flight_per_worker=8)
     pool.add(fleet.backends["prefill-0"])

@@ -41,7 +41,7 @@ from epd_actors.protocol import (
     SamplingParams,
     Welcome,
 )
-from epd_actors.transport import FramedStream
+from epd_actors.transport.framed import FramedStream
 from epd_actors.worker.engines.asyncio_bridge import (
     BridgeClosed,
     BridgeStream,

@@ -15,6 +15,9 @@ import pytest
 import trio
 import trio.testing
 
+from epd_actors.core.health import is_backpressure
+from epd_actors.core.retry import RetryPolicy, counts_against_worker
+from epd_actors.core.router import open_router
 from epd_actors.errors import (
     EpdError,
     NoHealthyWorker,
@@ -22,12 +25,9 @@ from epd_actors.errors import (
     RemoteWorkerError,
     WorkerDisconnected,
 )
-from epd_actors.frontends.http_errors import error_response
-from epd_actors.health import is_backpressure
+from epd_actors.openai.errors import error_response
 from epd_actors.protocol import ErrorCode, GenerateRequest, Prompt, Role
 from epd_actors.request import DoneEvent, ErrorEvent
-from epd_actors.retry import RetryPolicy, counts_against_worker
-from epd_actors.router import open_router
 
 from .fakes import ScriptedEngine
 from .memory_fleet import MemoryFleet, final_event, worker

@@ -13,8 +13,8 @@ import pytest
 import trio
 import trio.testing
 
+from epd_actors.program.worker import AUTH_TOKEN_ENV
 from epd_actors.worker import metrics_http
-from epd_actors.worker.cli import AUTH_TOKEN_ENV
 
 
 def registry_with_a_gauge() -> prometheus_client.CollectorRegistry:

@@ -13,7 +13,8 @@ import pytest
 import trio
 
 from epd_actors.addresses import Address, open_stream, parse_address
-from epd_actors.deployment import WorkerSpec, open_local_workers
+from epd_actors.program.deployment import WorkerSpec, open_local_workers
+from epd_actors.program.worker import AUTH_TOKEN_ENV
 from epd_actors.protocol import (
     PROTOCOL_VERSION,
     ChatMessage,
@@ -30,8 +31,7 @@ from epd_actors.protocol import (
     StageResult,
     Welcome,
 )
-from epd_actors.transport import FramedStream
-from epd_actors.worker.cli import AUTH_TOKEN_ENV
+from epd_actors.transport.framed import FramedStream
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -14,11 +14,11 @@ import trio
 import trio.testing
 
 from epd_actors.backends.base import WorkerRequirement
+from epd_actors.core.router import open_router, worker_requirement
 from epd_actors.errors import NoHealthyWorker
 from epd_actors.frontends.http_app import RouterHttpApp
 from epd_actors.protocol import Role
 from epd_actors.request import DoneEvent, ErrorEvent
-from epd_actors.router import open_router, worker_requirement
 
 from .fakes import ScriptedEngine
 from .memory_fleet import MODEL, MemoryFleet, final_event, worker

@@ -33,7 +33,7 @@ from epd_actors.protocol import (
     Welcome,
 )
 from epd_actors.protocol.codec import HEADER, encode
-from epd_actors.transport import FramedStream
+from epd_actors.transport.framed import FramedStream
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
 
 from .fakes import ENGINE_FAILURES, ScriptedEngine, engine_crash, engine_error

@@ -24,7 +24,7 @@ from trio_websocket import (
     wrap_client_stream,
 )
 
-from epd_actors.config_file import FileConfig, ServerConfig
+from epd_actors.core.router import open_router
 from epd_actors.errors import (
     ActorCrashed,
     ConfigError,
@@ -36,7 +36,6 @@ from epd_actors.errors import (
     StageTimeout,
     Unauthorized,
 )
-from epd_actors.frontends.body_checks import unknown_model
 from epd_actors.frontends.ws import WsServer, WsSettings, serve_ws
 from epd_actors.frontends.ws_messages import (
     CancelMessage,
@@ -46,8 +45,9 @@ from epd_actors.frontends.ws_messages import (
     error_payload,
     parse_client_message,
 )
-from epd_actors.router import open_router
-from epd_actors.server import serve_router
+from epd_actors.openai.body_checks import unknown_model
+from epd_actors.program.config_file import FileConfig, ServerConfig
+from epd_actors.program.serve import serve_router
 from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
     from trio_websocket import WebSocketConnection
 
-    from epd_actors.worker.engines.sim import SimConfig
+    from epd_actors.simulator.engine import SimConfig
 
 EPD = {"encode": 1, "prefill": 1, "decode": 1}
 GUARD_S = 10.0

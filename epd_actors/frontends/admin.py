@@ -21,14 +21,14 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from ..backends.kinds import backend_kind_names
-from ..config import WorkerEndpoint
+from ..core.backend_kinds import backend_kind_names
+from ..core.config import WorkerEndpoint
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..router import Router
+    from ..core.router import Router
 
 WORKERS = "/admin/workers"
 

@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, NoReturn
 import trio
 
 from ..logs import enable_access_log
+from ..openai.errors import ErrorResponse, HttpError, error_response
+from ..openai.format import error_body
+from ..openai.media import open_allowed_fetcher
 from .http_app import HttpApp, HttpSettings, RouterHttpApp
 from .http_connection import ROUTES, HttpConnection
-from .http_errors import ErrorResponse, HttpError, error_response
-from .media import open_allowed_fetcher
-from .openai_format import error_body
 
 if TYPE_CHECKING:
-    from .media import MediaFetcher
+    from ..openai.media import MediaFetcher
 
 __all__ = [
     "ROUTES",

@@ -3,7 +3,7 @@
 :class:`HttpApp` is all the server needs from a router -- ``generate`` plus the
 models, health, metrics and admin hooks -- so tests drive the server with
 fakes; :class:`RouterHttpApp` adapts a running
-:class:`~epd_actors.router.Router`.  :class:`HttpSettings` holds every limit
+:class:`~epd_actors.core.router.Router`.  :class:`HttpSettings` holds every limit
 and timeout of the front end, with units; docs/http.md has the table.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
 
-from .media import MediaLimits
-from .openai_fields import STRICT_FIELDS, FieldPolicy
+from ..openai.fields import STRICT_FIELDS, FieldPolicy
+from ..openai.media import MediaLimits
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
     import trio
 
-    from ..models import ModelCard
+    from ..core.models import ModelCard
+    from ..core.router import Router
     from ..request import DirectDeltas, GenerationEvent, GenerationRequest
-    from ..router import Router
 
     AdminHook = Callable[[str, str, object], Awaitable[tuple[int, object]]]
     """``await admin(method, path, json_body)`` -> ``(status, json_body)``."""
@@ -99,7 +99,7 @@ class HttpApp(Protocol):
     def models(self) -> Sequence[str | ModelCard]:
         """The models served (``/v1/models``; requests must name one).
 
-        A plain name is a model; a :class:`~epd_actors.models.ModelCard` may
+        A plain name is a model; a :class:`~epd_actors.core.models.ModelCard` may
         name a LoRA adapter's ``parent`` model.
         """
         ...
@@ -118,7 +118,7 @@ class HttpApp(Protocol):
 
 
 class RouterHttpApp:
-    """:class:`HttpApp` over a running :class:`~epd_actors.router.Router`.
+    """:class:`HttpApp` over a running :class:`~epd_actors.core.router.Router`.
 
     ``health`` is 200 only when every pool has a usable worker and the router
     is not draining; its body lists each pool's workers and their state

@@ -52,24 +52,24 @@ import h11
 import trio
 
 from .._groups import single_exception
+from ..core.models import model_ids, model_list_body
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
+from ..http.body import body_framer
 from ..logs import ACCESS_LOGGER
-from ..models import model_ids, model_list_body
+from ..openai.body_checks import reject_lone_surrogates, unknown_model
+from ..openai.errors import HttpError, error_response
+from ..openai.format import AnswerBuilder, SseFormatter, error_body, unix_time
+from ..openai.media import resolve_media
+from ..openai.schema import ParsedRequest, parse_chat_completion, parse_completion
+from ..openai.sse import next_batch, render_batch
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
-from ..transport import send_some_nowait
-from .body_checks import reject_lone_surrogates, unknown_model
-from .http_body import body_framer
-from .http_errors import HttpError, error_response
-from .media import resolve_media
-from .openai_format import AnswerBuilder, SseFormatter, error_body, unix_time
-from .openai_schema import ParsedRequest, parse_chat_completion, parse_completion
-from .sse import next_batch, render_batch
+from ..transport.framed import send_some_nowait
 from .sse_direct import DirectSseWriter
 
 if TYPE_CHECKING:
+    from ..openai.media import MediaFetcher
     from ..request import GenerationEvent
     from .http_app import HttpApp, HttpSettings
-    from .media import MediaFetcher
 
 logger = logging.getLogger("epd_actors.frontends.http")
 access_logger = logging.getLogger(ACCESS_LOGGER)

@@ -9,7 +9,7 @@ is one wake-up of the connection's task per token.  A :class:`DirectSseWriter`
 is the response's :data:`~epd_actors.request.DirectDeltas`: while the
 connection's task waits on an empty event channel (``idle``), the router's
 task that produced a delta renders it and offers it to the socket without
-waiting (:func:`~epd_actors.transport.send_some_nowait`), so the connection's
+waiting (:func:`~epd_actors.transport.framed.send_some_nowait`), so the connection's
 task sleeps through the whole stream and wakes for its end.
 
 Order and ownership: the writer takes a delta only while ``idle``, which the
@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from ..transport import send_some_nowait
-from .sse import next_batch, worth_a_chunk
+from ..openai.sse import next_batch, worth_a_chunk
+from ..transport.framed import send_some_nowait
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from ..openai.format import SseFormatter
     from ..request import DeltaEvent, GenerationEvent
-    from .openai_format import SseFormatter
 
 
 class SentCounter(Protocol):

@@ -60,12 +60,12 @@ import trio
 from trio_websocket import ConnectionClosed, Endpoint, wrap_server_stream
 
 from ..errors import ActorCrashed, ConfigError, EpdError, Overloaded, Unauthorized
+from ..openai.body_checks import unknown_model
+from ..openai.errors import HttpError
+from ..openai.fields import STRICT_FIELDS, FieldPolicy
+from ..openai.media import MediaLimits, open_allowed_fetcher, resolve_media
+from ..openai.schema import parse_chat_completion, parse_completion
 from ..request import DeltaEvent, DoneEvent, ErrorEvent
-from .body_checks import unknown_model
-from .http_errors import HttpError
-from .media import MediaLimits, open_allowed_fetcher, resolve_media
-from .openai_fields import STRICT_FIELDS, FieldPolicy
-from .openai_schema import parse_chat_completion, parse_completion
 from .ws_messages import (
     PONG,
     CancelMessage,
@@ -86,9 +86,9 @@ if TYPE_CHECKING:
 
     from trio_websocket import WebSocketConnection, WebSocketRequest
 
+    from ..openai.media import MediaFetcher
+    from ..openai.schema import ParsedRequest
     from ..request import GenerationEvent, GenerationRequest
-    from .media import MediaFetcher
-    from .openai_schema import ParsedRequest
 
 logger = logging.getLogger(__name__)
 

@@ -10,21 +10,21 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, TypeVar
 
-from ..protocol import merge_delta_fields
-from .body_checks import (
+from ..openai.body_checks import (
     LoneSurrogate,
     find_lone_surrogate,
     lone_surrogate_error,
     may_hold_lone_surrogate,
 )
-from .http_errors import HttpError, error_response
-from .openai_format import error_body, usage_body
+from ..openai.errors import HttpError, error_response
+from ..openai.format import error_body, usage_body
+from ..protocol import merge_delta_fields
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from ..openai.schema import RequestKind
     from ..request import DeltaEvent, DoneEvent, RequestTimings
-    from .openai_schema import RequestKind
 
 _T = TypeVar("_T")
 

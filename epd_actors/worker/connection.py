@@ -45,7 +45,7 @@ from .engine import check_options
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from ..transport import FramedStream
+    from ..transport.framed import FramedStream
     from .runtime import WorkerServer
 
 # The runtime's logger: these records kept their name when this module was split off.

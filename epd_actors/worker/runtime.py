@@ -42,7 +42,7 @@ import trio
 from ..errors import ConnectionLost, EngineError
 from ..limits import CLEANUP_TIMEOUT_S, HANDSHAKE_TIMEOUT_S
 from ..protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode, WorkerStats
-from ..transport import FramedStream
+from ..transport.framed import FramedStream
 from .connection import _Connection, _StopReason
 
 if TYPE_CHECKING:

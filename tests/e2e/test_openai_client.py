@@ -15,8 +15,8 @@ import openai
 import pytest
 import trio
 
+from epd_actors.core.router import open_router
 from epd_actors.frontends.http import HttpSettings, RouterHttpApp, serve_http
-from epd_actors.router import open_router
 from epd_actors.testing import SimFleet, build_sim_fleet
 
 if TYPE_CHECKING:

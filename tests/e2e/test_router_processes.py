@@ -9,8 +9,8 @@ import pytest
 import trio
 
 import epd_actors
-from epd_actors.deployment import WorkerSpec, open_local_workers
-from epd_actors.worker.cli import AUTH_TOKEN_ENV
+from epd_actors.program.deployment import WorkerSpec, open_local_workers
+from epd_actors.program.worker import AUTH_TOKEN_ENV
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import trio
 import trio.testing
 
+from epd_actors.core.router import open_router
 from epd_actors.frontends.ws import WsSettings, serve_ws
-from epd_actors.router import open_router
 from epd_actors.testing import build_sim_fleet
 
 if TYPE_CHECKING:

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 
 from epd_actors.errors import InvalidRequest
 from epd_actors.frontends.http import HttpServer, HttpSettings
-from epd_actors.frontends.media import MediaLimits
-from epd_actors.frontends.openai_schema import parse_chat_completion, parse_completion
+from epd_actors.openai.media import MediaLimits
+from epd_actors.openai.schema import parse_chat_completion, parse_completion
 from epd_actors.protocol import Usage
 from epd_actors.request import DeltaEvent, DoneEvent, RequestTimings
 from tests.test_http_frontend import ScriptedApp

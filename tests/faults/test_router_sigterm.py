@@ -21,8 +21,8 @@ import h11
 import pytest
 import trio
 
-from epd_actors.deployment import WorkerSpec, open_local_workers
-from epd_actors.worker.cli import AUTH_TOKEN_ENV
+from epd_actors.program.deployment import WorkerSpec, open_local_workers
+from epd_actors.program.worker import AUTH_TOKEN_ENV
 from tests.e2e.test_deployments import Output
 from tests.test_http_frontend import Client
 

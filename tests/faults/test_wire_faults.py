@@ -28,9 +28,10 @@ from epd_actors import (
     SamplingParams,
     StageTimeout,
 )
-from epd_actors.config import Deadlines
+from epd_actors.core.config import Deadlines
+from epd_actors.core.health import HealthPolicy
+from epd_actors.core.retry import RetryPolicy
 from epd_actors.errors import AttemptTimeout, ConnectionLost, WorkerDisconnected
-from epd_actors.health import HealthPolicy
 from epd_actors.protocol import (
     PROTOCOL_VERSION,
     Delta,
@@ -42,9 +43,8 @@ from epd_actors.protocol import (
     WorkerStats,
 )
 from epd_actors.protocol.codec import HEADER
-from epd_actors.retry import RetryPolicy
-from epd_actors.transport import FramedStream
-from epd_actors.worker.engines.sim import SimConfig
+from epd_actors.simulator.engine import SimConfig
+from epd_actors.transport.framed import FramedStream
 
 from .polling import wait_until
 from .streams import Seen, consume, run_one
@@ -53,8 +53,8 @@ from .wire_fleet import SETTINGS, WireFleet, open_wire_router
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from epd_actors.backends.native import NativeBackend
-    from epd_actors.router import Router
+    from epd_actors.backends.native.backend import NativeBackend
+    from epd_actors.core.router import Router
 
 GUARD_S = 600.0  # virtual seconds
 

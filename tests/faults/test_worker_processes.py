@@ -30,10 +30,10 @@ from epd_actors import (
     open_router,
 )
 from epd_actors.addresses import parse_address
-from epd_actors.backends.native import NativeBackend, NativeSettings
-from epd_actors.deployment import WorkerSpec, open_local_workers
+from epd_actors.backends.native.backend import NativeBackend, NativeSettings
 from epd_actors.errors import WorkerDisconnected
-from epd_actors.worker.cli import AUTH_TOKEN_ENV
+from epd_actors.program.deployment import WorkerSpec, open_local_workers
+from epd_actors.program.worker import AUTH_TOKEN_ENV
 
 from .polling import wait_until
 from .streams import Seen, consume, run_one
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from epd_actors.backends.base import ManagedBackend
-    from epd_actors.router import Router
+    from epd_actors.core.router import Router
 
 pytestmark = pytest.mark.processes
 

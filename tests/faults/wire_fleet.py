@@ -20,21 +20,21 @@ import trio
 import trio.testing
 
 from epd_actors.addresses import parse_address
-from epd_actors.backends.native import NativeBackend, NativeSettings
-from epd_actors.config import Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
-from epd_actors.health import HealthPolicy
+from epd_actors.backends.native.backend import NativeBackend, NativeSettings
+from epd_actors.core.config import Deadlines, PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.core.health import HealthPolicy
+from epd_actors.core.retry import RetryPolicy
+from epd_actors.core.router import open_router
 from epd_actors.protocol import Role
-from epd_actors.retry import RetryPolicy
-from epd_actors.router import open_router
-from epd_actors.worker.engines.sim import SimConfig, SimEngine
-from epd_actors.worker.engines.sim_store import create_sim_stores
+from epd_actors.simulator.engine import SimConfig, SimEngine
+from epd_actors.simulator.store import create_sim_stores
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from epd_actors.backends.base import ManagedBackend
-    from epd_actors.router import Router
+    from epd_actors.core.router import Router
 
 TOKEN = "wire-token"
 Serve = Callable[[trio.abc.Stream], Awaitable[None]]

@@ -1,0 +1,1 @@
+"""The native backend: msgpack frames over one multiplexed connection per worker process."""

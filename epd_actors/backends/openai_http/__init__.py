@@ -1,0 +1,1 @@
+"""The OpenAI HTTP backend: stock `vllm serve` instances reached over HTTP/1.1 with SSE."""

@@ -1,0 +1,560 @@
+"""The base stage actor: inbox, worker loop, job bookkeeping, statistics.
+
+Theory of operation
+-------------------
+An actor owns a bounded inbox (a memory channel of :class:`Job`) and, while
+``run`` is active, a nursery in which every job gets its own task.  The loop
+takes a job from the inbox, reserves a slot of the actor's
+``CapacityLimiter`` (``max_jobs``) for it and starts its task, so one slow job
+never holds up the inbox.  A job task leases a worker from the stage's pool
+(routing policy, per-worker in-flight limit), calls the subclass's
+:meth:`BaseActor.handle` with that worker's backend, and returns the lease.
+
+Requesters use :meth:`BaseActor.submit`, an async context manager that puts a
+job in the inbox and yields the receiving end of the job's reply channel;
+leaving it cancels the job, wherever it is (still queued, or running on a
+worker, in which case the backend aborts the work on the worker).
+
+Attempts: each attempt on a worker runs under the stage's attempt deadline
+(:meth:`BaseActor.attempt_timeout`: the whole answer for a stage that hands
+something on, the first token for an output stage).  A worker that misses it
+is treated like a failing one: the attempt is cancelled (the backend aborts
+it there), ``AttemptTimeout`` is counted against the worker's breaker, and
+the job moves to another worker within the retry policy.  Whatever a failed
+attempt registered for undoing is undone before the next one.
+
+Errors: a typed ``EpdError`` fails only its job (a ``StageFailure`` event).
+Anything else is a bug and crashes the actor: every job it holds is cancelled
+(their requesters see the reply channel close without an answer) and the
+exception propagates out of ``run`` to the supervisor, which restarts the actor
+with backoff.  The inbox outlives a crash, so queued jobs wait, not vanish.
+
+Subclasses set the class attributes and override ``handle`` (and, when the
+stage needs it, ``applies_to``, ``split`` and ``route_key``); they never touch
+the inbox, the nursery or the limiter.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import trio
+
+from ...errors import AttemptTimeout, EpdError, NoHealthyWorker
+from ...limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, JOB_REPLY_BUFFER
+from ..health import is_backpressure
+from ..retry import RetryPolicy, counts_against_worker
+from ..routing import RouteKey, affinity_for_prompt
+from .jobs import Job, StageContext, StageEvent, StageFailure
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+
+    from ...backends.base import StageBackend
+    from ...protocol import Delta, GenerateRequest
+    from ...request import GenerationRequest
+    from ..config import Deadlines
+    from ..lifecycle import Phase
+    from ..output_relay import OutputRelay
+    from ..pool import WorkerPool
+    from .jobs import Compensation
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ActorStatistics:
+    """A snapshot of one actor."""
+
+    stage: str
+    queued: int
+    peak_queued: int
+    running: int
+    jobs_total: int
+    failures_total: int
+    retries_total: int
+    capacity: int
+
+
+class BaseActor:
+    """A stage actor; see the module docstring.
+
+    Class attributes a stage sets:
+        stage: the registry key and the pool it draws workers from.
+        phase: the lifecycle phase a request is in while this stage runs.
+        order: where the stage sits in a plan (lower runs first).
+        produces_output: the stage streams the request's output tokens.
+        requires: stages that must be configured alongside this one.
+        worker_roles: the worker roles that may serve the stage (empty: any);
+            a worker announcing another role is refused by the pool.
+        default_policy: the routing policy of the stage's pool when its
+            configuration names none.
+        consumes_kv_handoff: the stage's workers take the KV cache another
+            stage handed on (they can pull blocks nobody else will: the HTTP
+            backend's release by consumption uses them).
+
+    Args:
+        pool: the workers of this stage.
+        inbox_capacity: jobs that may wait in the inbox.
+        max_jobs: jobs that may run at once.
+        retry: when a failed attempt moves to another worker.
+        rng: randomness for retry jitter (tests pass a seeded one).
+        cleanup_timeout_s: bound of the compensations a job runs itself.
+        attempt_timeout_s: the deadline of one attempt on one worker (see
+            :meth:`attempt_timeout`; the supervisor passes the configured one).
+    """
+
+    stage: ClassVar[str]
+    phase: ClassVar[Phase]
+    order: ClassVar[int]
+    produces_output: ClassVar[bool] = False
+    requires: ClassVar[tuple[str, ...]] = ()
+    worker_roles: ClassVar[frozenset[str]] = frozenset()
+    default_policy: ClassVar[str] = "least_in_flight"
+    consumes_kv_handoff: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        *,
+        inbox_capacity: int = ACTOR_INBOX_CAPACITY,
+        max_jobs: int = ACTOR_MAX_JOBS,
+        retry: RetryPolicy | None = None,
+        rng: random.Random | None = None,
+        cleanup_timeout_s: float = CLEANUP_TIMEOUT_S,
+        attempt_timeout_s: float = math.inf,
+    ) -> None:
+        self.pool = pool
+        self.cleanup_timeout_s = cleanup_timeout_s
+        self.attempt_timeout_s = attempt_timeout_s
+        self.retry = retry or RetryPolicy()
+        self._rng = rng or random.Random()
+        self.retries_total = 0
+        self._inbox_send, self._inbox_receive = trio.open_memory_channel[Job](inbox_capacity)
+        self._limiter = trio.CapacityLimiter(max_jobs)
+        self._jobs: trio.Nursery | None = None  # the job nursery, while ``run`` serves
+        self.jobs_total = 0
+        self.failures_total = 0
+
+    def __repr__(self) -> str:
+        stats = self.statistics()
+        return f"<{type(self).__name__} queued={stats.queued} running={stats.running}>"
+
+    # -- what a stage overrides
+
+    @classmethod
+    def applies_to(cls, request: GenerationRequest) -> bool:
+        """Whether a request needs this stage at all (default: yes)."""
+        return True
+
+    @classmethod
+    def attempt_timeout(cls, deadlines: Deadlines) -> float:
+        """The configured deadline of one attempt of this stage (default: none).
+
+        For a stage that hands something on, to its answer; for an output
+        stage, to its first token (the output's later pace is the
+        supervisor's inter-token deadline).
+        """
+        return math.inf
+
+    @classmethod
+    def split(cls, context: StageContext) -> list[int | None]:
+        """The items this stage fans out over (default: one job, no item)."""
+        return [None]
+
+    def route_key(self, job: Job) -> RouteKey:
+        """The routing key of a job (default: the session key, else the prompt prefix).
+
+        The prompt digest, and the prompt as the model sees it, are computed
+        only for a pool whose policy reads them.
+        """
+        policy = self.pool.policy
+        adapter = job.context.adapter
+        if not policy.uses_affinity and not policy.uses_prompt:
+            return RouteKey(job.request_id, adapter=adapter)
+        request = job.context.request
+        affinity = request.session_key or _prompt_affinity(request)
+        prompt = routed_prompt(request) if policy.uses_prompt else None
+        return RouteKey(job.request_id, affinity, prompt, adapter)
+
+    async def handle(self, job: Job, backend: StageBackend) -> None:
+        """Do the job on ``backend`` and send its events on ``job.reply``.
+
+        Raises:
+            EpdError: the job failed (the base class reports it).
+
+        Cancellation: may be cancelled at any await; the backend aborts the
+        worker's part of the work.
+        """
+        raise NotImplementedError
+
+    # -- shared helpers for stage classes
+
+    async def stream_output(
+        self, job: Job, backend: StageBackend, request: GenerateRequest
+    ) -> None:
+        """Relay a generate request's deltas to the job's requester.
+
+        Non-final deltas go to ``job.output`` when the requester gave one (the
+        supervisor does: they reach the caller without waking the requester),
+        else on ``job.reply``; the final delta always goes on ``job.reply``.  A
+        burst of deltas that already arrived is passed on without a scheduling
+        round per delta, when the stream offers ``receive_nowait``; a stream
+        that offers ``set_sink`` (the native one does) hands the deltas to
+        ``job.output`` itself, as they arrive, without waking this task.
+
+        Backpressure: waits while the requester's buffer (the reply channel,
+        or the caller's event channel behind ``job.output``) is full.
+        Cancellation: a requester that left ends the relay; the backend then
+        aborts the request on its worker.
+        """
+        reply, output = job.reply, job.output
+        async with backend.open_stream(request) as stream:
+            receive_nowait: Callable[[], Delta] | None = getattr(stream, "receive_nowait", None)
+            set_sink: Callable[[Callable[[Delta], bool]], None] | None = getattr(
+                stream, "set_sink", None
+            )
+            if output is not None and set_sink is not None:
+                set_sink(output.sink)
+            while True:
+                try:
+                    delta = await stream.receive()
+                except trio.EndOfChannel:
+                    return
+                finally:
+                    # Deltas the stream handed to the relay itself count as output.
+                    job.output_started |= output is not None and output.relayed
+                while True:
+                    try:
+                        if output is not None and delta.finish_reason is None:
+                            if not output.offer(delta):
+                                await output.put(delta)
+                        else:
+                            try:
+                                reply.send_nowait(delta)
+                            except trio.WouldBlock:
+                                await reply.send(delta)
+                    except trio.BrokenResourceError:
+                        # The requester left; leaving the stream aborts the worker's
+                        # side.  Raising here instead would surface through the
+                        # backend's context manager and crash the actor.
+                        logger.debug("%s job of %s: requester left", self.stage, job.request_id)
+                        return
+                    if not job.output_started:
+                        job.output_began()
+                    if receive_nowait is None:
+                        break
+                    try:
+                        delta = receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    except trio.EndOfChannel:
+                        return
+
+    # -- the actor machinery
+
+    def statistics(self) -> ActorStatistics:
+        inbox = self._inbox_send.statistics()
+        return ActorStatistics(
+            stage=self.stage,
+            queued=inbox.current_buffer_used,
+            peak_queued=inbox.peak_buffer_used,
+            running=self._limiter.borrowed_tokens,
+            jobs_total=self.jobs_total,
+            failures_total=self.failures_total,
+            retries_total=self.retries_total,
+            capacity=int(self._limiter.total_tokens),
+        )
+
+    @asynccontextmanager
+    async def submit(
+        self,
+        context: StageContext,
+        item: int | None,
+        *,
+        output: OutputRelay | None = None,
+        avoid: tuple[str, ...] = (),
+        after: EpdError | None = None,
+    ) -> AsyncIterator[tuple[Job, trio.MemoryReceiveChannel[StageEvent]]]:
+        """Queue a job; yield it (read-only) and its reply channel; cancel it on exit.
+
+        ``output`` (an output stage's requester only) takes the job's non-final
+        deltas straight to the request's caller; see :mod:`~epd_actors.core.output_relay`.
+        ``avoid``: workers the job must not use (their earlier result for the
+        request proved bad); ``after``: the error that made the requester run
+        the job again, reported if no other worker can take it.
+
+        A job that would not wait -- the actor is running and not crashing,
+        its inbox is empty and it has a free job slot -- skips the inbox: its
+        task is started in the actor's job nursery right here, which is what
+        the worker loop would do one scheduling round later.  Otherwise the
+        job goes through the inbox, in order behind the jobs already there.
+
+        Backpressure: waits while the inbox is full.
+        Cancellation: leaving the block (normally or not) cancels the job.
+        """
+        reply_send, reply_receive = trio.open_memory_channel[StageEvent](JOB_REPLY_BUFFER)
+        job = Job(
+            context,
+            item,
+            reply_send,
+            enqueued_at=trio.current_time(),
+            output=output,
+            avoid=avoid,
+            last_error=after,
+        )
+        if not self._start_at_once(job):
+            try:
+                await self._inbox_send.send(job)
+            except BaseException:
+                reply_send.close()
+                reply_receive.close()
+                raise
+        try:
+            with reply_receive:
+                yield job, reply_receive
+        finally:
+            if job.finished_at is None:  # a finished job has nothing left to cancel
+                job.cancel()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the inbox until cancelled; report ready once it accepts jobs.
+
+        Raises whatever crashed the actor (the supervisor restarts it).
+
+        Cancellation: cancels every running job; each job's backend aborts its
+        worker-side work within a shielded, bounded cleanup.
+        """
+        async with trio.open_nursery() as jobs:
+            self._jobs = jobs
+            try:
+                task_status.started()
+                while True:
+                    job = await self._inbox_receive.receive()
+                    try:
+                        await self._limiter.acquire_on_behalf_of(job)
+                    except BaseException:
+                        job.reply.close()  # its requester sees the actor crash at once
+                        raise
+                    jobs.start_soon(self._run_job, job, name=f"{self.stage}:{job.request_id}")
+            finally:
+                self._jobs = None
+
+    def _start_at_once(self, job: Job) -> bool:
+        """Start ``job``'s task now if it would not wait in the inbox; False otherwise.
+
+        Never while the actor is stopped, restarting or crashing (its job
+        nursery is gone or cancelled: the job waits in the inbox for the next
+        ``run``), nor past jobs already queued (the inbox stays FIFO), nor
+        without a free slot of the limiter.
+        """
+        jobs = self._jobs
+        if jobs is None or jobs.cancel_scope.cancel_called:
+            return False
+        if self._inbox_send.statistics().current_buffer_used:
+            return False
+        try:
+            self._limiter.acquire_on_behalf_of_nowait(job)
+        except trio.WouldBlock:
+            return False
+        jobs.start_soon(self._run_job, job, name=f"{self.stage}:{job.request_id}")
+        return True
+
+    async def _run_job(self, job: Job) -> None:
+        try:
+            async with job.reply:
+                with job.scope:
+                    await self._attempt(job)
+        finally:
+            job.finished_at = trio.current_time()
+            self._limiter.release_on_behalf_of(job)
+            if job.compensations and not job.handed_over:
+                await self._compensate(job)
+
+    async def _compensate(self, job: Job) -> None:
+        """Undo a job whose requester left before taking its result (shielded, bounded)."""
+        await self._run_compensations(job, job.hand_over())
+
+    async def _attempt(self, job: Job) -> None:
+        self.jobs_total += 1
+        job.started_at = trio.current_time()
+        try:
+            await self._attempt_with_retries(job)
+        except EpdError as exc:
+            self.failures_total += 1
+            logger.info("%s job of %s failed: %s", self.stage, job.request_id, exc)
+            await self._report(job, StageFailure(exc))
+        except trio.BrokenResourceError:
+            logger.debug("%s job of %s: requester left", self.stage, job.request_id)
+
+    async def _attempt_with_retries(self, job: Job) -> None:
+        """Run the job, moving to another worker after a retryable failure.
+
+        A worker that refuses the job because it is full or draining
+        (``is_backpressure``) passes it on to another worker at once: that is
+        not one of the ``max_attempts``, but no worker is asked twice.
+
+        Raises:
+            EpdError: the last attempt's error (or ``NoHealthyWorker`` when no
+                worker could be leased at all, ``Overloaded`` when every
+                worker left refused the job as full).
+        """
+        key = self.route_key(job)
+        tried = list(job.avoid)
+        attempt = 0
+        while True:
+            attempt += 1
+            # A job cancelled while it queued must not reach a worker at all.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                lease = await self.pool.lease(key, exclude=tried)
+            except NoHealthyWorker:
+                if job.last_error is not None and is_backpressure(job.last_error):
+                    raise self.pool.saturated(job.last_error) from None
+                if job.last_error is not None:
+                    raise job.last_error from None
+                raise
+            job.worker_id = lease.member.worker_id
+            passed_on = False
+            undo_from = len(job.compensations)
+            try:
+                await self._attempt_on(job, lease.backend)
+                lease.succeeded()
+                return
+            except EpdError as exc:
+                if counts_against_worker(exc):
+                    lease.failed()
+                passed_on = is_backpressure(exc) and not job.output_started
+                if not passed_on and not self.retry.should_retry(
+                    exc, attempt=attempt, output_started=job.output_started
+                ):
+                    raise
+                job.last_error = exc
+            finally:
+                if job.timed_out:
+                    lease.failed()  # a worker that stops answering is a failing worker
+                lease.release()
+            tried.append(lease.member.worker_id)
+            await self._undo_attempt(job, undo_from)
+            if passed_on:
+                attempt -= 1  # a full worker is not a failed attempt
+                logger.debug("%s job of %s: %s", self.stage, job.request_id, job.last_error)
+                continue
+            self.retries_total += 1
+            logger.info(
+                "%s job of %s: retrying after %s (attempt %d)",
+                self.stage,
+                job.request_id,
+                job.last_error,
+                attempt,
+            )
+            await trio.sleep(self.retry.backoff_s(attempt, self._rng))
+
+    async def _attempt_on(self, job: Job, backend: StageBackend) -> None:
+        """One attempt: :meth:`handle` under the stage's attempt deadline.
+
+        The deadline is lifted once the job's output started (the first delta
+        that reached the requester, also when the backend's reader handed it
+        over through ``job.output``).
+
+        Raises:
+            AttemptTimeout: the worker missed the deadline; the attempt was
+                cancelled, so the backend aborted it on the worker.
+            EpdError: what :meth:`handle` raised.
+
+        Cancellation: the requester's cancellation passes through unchanged.
+        """
+        output = job.output
+        with trio.move_on_after(self.attempt_timeout_s) as scope:
+            job.attempt = scope
+            if output is not None:
+                output.attempt = scope
+            try:
+                await self.handle(job, backend)
+            finally:
+                job.attempt = None
+                if output is not None:
+                    output.attempt = None
+        if scope.cancelled_caught:
+            raise self._attempt_timed_out(job)
+
+    def _attempt_timed_out(self, job: Job) -> AttemptTimeout:
+        if self.produces_output:
+            what, phase = "first token", "first_token"
+        else:
+            what, phase = "answer", self.stage
+        worker = job.worker_id or "?"
+        return AttemptTimeout(
+            f"{self.stage} attempt of {job.request_id} on worker {worker}: "
+            f"no {what} within {self.attempt_timeout_s:g}s",
+            phase=phase,
+            worker_id=worker,
+        )
+
+    async def _undo_attempt(self, job: Job, undo_from: int) -> None:
+        """Undo what a failed attempt registered (the next attempt registers its own).
+
+        Cancellation: shielded, bounded by ``cleanup_timeout_s``.
+        """
+        leftovers = job.compensations[undo_from:]
+        del job.compensations[undo_from:]
+        if leftovers:
+            await self._run_compensations(job, leftovers)
+
+    async def _run_compensations(self, job: Job, compensations: list[Compensation]) -> None:
+        with trio.move_on_after(self.cleanup_timeout_s, shield=True):
+            for compensation in compensations:
+                try:
+                    await compensation()
+                except EpdError as exc:
+                    logger.warning(
+                        "%s job of %s: cleanup failed: %s", self.stage, job.request_id, exc
+                    )
+
+    async def _report(self, job: Job, failure: StageFailure) -> None:
+        try:
+            await job.reply.send(failure)
+        except trio.BrokenResourceError:
+            logger.debug("%s job of %s: requester left", self.stage, job.request_id)
+
+
+def routed_prompt(request: GenerationRequest) -> str | tuple[int, ...] | None:
+    """The prompt in the order the model sees it, for prefix-matching policies.
+
+    Token ids as they are; text as it is; a chat as its turns, each role and
+    text part set off by a separator, and each media item by its content hash,
+    so two conversations match exactly as far as their turns and images agree.
+    The model's chat template is not applied (the router does not have it):
+    the blocks differ from the engine's, the prefixes they share do not.
+    """
+    prompt = request.prompt
+    if prompt.token_ids is not None:
+        return prompt.token_ids
+    if prompt.text is not None:
+        return prompt.text
+    pieces: list[str] = []
+    for message in prompt.messages or ():
+        pieces.append(f"\x1e{message.role}\x1f")
+        for part in message.parts:
+            if isinstance(part, str):
+                pieces.append(part)
+            elif 0 <= part < len(request.media):
+                pieces.append(f"\x1d{request.media[part].content_hash}\x1d")
+    return "".join(pieces) or None
+
+
+def _prompt_affinity(request: GenerationRequest) -> str | None:
+    prompt = request.prompt
+    if prompt.text is not None:
+        return affinity_for_prompt(prompt.text)
+    if prompt.messages is not None:
+        text = "".join(p for m in prompt.messages for p in m.parts if isinstance(p, str))
+        return affinity_for_prompt(text) if text else None
+    if prompt.token_ids:
+        return affinity_for_prompt(" ".join(map(str, prompt.token_ids[:64])))
+    return None

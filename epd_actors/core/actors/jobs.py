@@ -1,0 +1,184 @@
+"""What flows between the supervisor and the stage actors.
+
+A request's pipeline carries a :class:`StageContext` from stage to stage.  For
+each stage the supervisor submits one :class:`Job` per item the actor class
+splits the context into (one per media item for encode, one otherwise).  A job
+answers on its own bounded reply channel with :data:`StageEvent`s: zero or more
+``Delta``s (stages that produce the output), one :class:`StageOutput` (stages
+that hand something to later stages), or one :class:`StageFailure`.  The job
+closes its reply channel when it ends; a channel that closes without a final
+event means the actor crashed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypedDict
+
+import trio
+
+from ...protocol import Delta
+
+if TYPE_CHECKING:
+    from ...errors import EpdError
+    from ...protocol import MediaItem, Prompt, SamplingParams
+    from ...request import GenerationRequest
+    from ..output_relay import OutputRelay
+
+Compensation = Callable[[], Awaitable[object]]
+
+
+@dataclass(frozen=True, slots=True)
+class StageOutput:
+    """A stage's result for the stages after it.
+
+    Attributes:
+        ec_transfer_params: merged into the context's encoder transfer params.
+        kv_transfer_params: replaces the context's KV transfer params.
+        prompt_tokens: the prompt length the stage measured, if it did.
+    """
+
+    ec_transfer_params: dict[str, object] | None = None
+    kv_transfer_params: dict[str, object] | None = None
+    prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StageFailure:
+    """The job failed with a typed error."""
+
+    error: EpdError
+
+
+StageEvent = Delta | StageOutput | StageFailure
+
+
+class PromptFields(TypedDict):
+    """What ``PrefillRequest`` and ``GenerateRequest`` share (``StageContext.prompt_fields``)."""
+
+    prompt: Prompt
+    media: tuple[MediaItem, ...]
+    sampling: SamplingParams
+    ec_transfer_params: dict[str, object] | None
+    options: dict[str, object] | None
+    lora_adapter: str | None
+
+
+@dataclass(slots=True)
+class StageContext:
+    """A request plus what its earlier stages produced.
+
+    ``wire_id`` is the id the workers see (``request_id`` plus a unique suffix,
+    so two clients reusing an id never collide on a worker); empty means the
+    request id itself.  ``adapter`` is the LoRA adapter the request's model
+    names (None: the base model), which stage requests carry.
+    """
+
+    request: GenerationRequest
+    wire_id: str = ""
+    adapter: str | None = None
+    ec_transfer_params: dict[str, object] | None = None
+    kv_transfer_params: dict[str, object] | None = None
+    prompt_tokens: int | None = None
+
+    def absorb(self, output: StageOutput) -> None:
+        """Fold a stage's output into the context."""
+        if output.ec_transfer_params:
+            merged = dict(self.ec_transfer_params or {})
+            merged.update(output.ec_transfer_params)
+            self.ec_transfer_params = merged
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
+        if output.prompt_tokens is not None:
+            self.prompt_tokens = output.prompt_tokens
+
+    def prompt_fields(self) -> PromptFields:
+        """What a prefill or generate request takes from the request and E's output.
+
+        The fields ``PrefillRequest`` and ``GenerateRequest`` share, so a field
+        added to both is filled in one place.
+        """
+        request = self.request
+        return {
+            "prompt": request.prompt,
+            "media": request.media,
+            "sampling": request.sampling,
+            "ec_transfer_params": self.ec_transfer_params,
+            "options": request.options,
+            "lora_adapter": self.adapter,
+        }
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """One unit of work for a stage actor.
+
+    Attributes:
+        context: the request and what earlier stages produced.
+        item: which part of the context this job covers (a media index for
+            encode), or ``None``.
+        reply: where the job's events go; the job task owns and closes it.
+        output: for an output stage run by the supervisor, where its non-final
+            deltas go instead of ``reply`` (straight to the request's caller);
+            ``None``: every event goes on ``reply``.
+        enqueued_at / started_at / finished_at: router clock readings.
+        worker_id: the worker the job ran on, once chosen.
+        scope: cancelled by the requester when it no longer wants the job.
+        output_started: set once an output token reached the requester (an
+            output stage is never retried after that).
+        last_error: the error of the previous attempt, when retrying.
+        timed_out: set by the requester when its inter-token deadline expired
+            on this job; the worker's circuit breaker counts it as a failure.
+        avoid: workers the job must not run on (their earlier result for this
+            request was refused by a later stage).
+        attempt: the cancel scope of the running attempt, whose deadline is
+            the stage's attempt deadline until the output starts.
+        compensations: what undoes the job's leftovers (a prefilled KV handle)
+            should the request not complete.  Whoever holds them runs them: the
+            job's own task, unless the requester took them over together with
+            the job's final event (:meth:`hand_over`).
+    """
+
+    context: StageContext
+    item: int | None
+    reply: trio.MemorySendChannel[StageEvent]
+    enqueued_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    worker_id: str | None = None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    compensations: list[Compensation] = field(default_factory=list)
+    handed_over: bool = False
+    output_started: bool = False
+    last_error: EpdError | None = None
+    timed_out: bool = False
+    output: OutputRelay | None = None
+    avoid: tuple[str, ...] = ()
+    attempt: trio.CancelScope | None = None
+
+    @property
+    def request_id(self) -> str:
+        """The id this job's worker requests carry."""
+        return self.context.wire_id or self.context.request.request_id
+
+    def output_began(self) -> None:
+        """An output delta reached the requester: no retry, no attempt deadline from now on."""
+        self.output_started = True
+        if self.attempt is not None:
+            self.attempt.deadline = math.inf
+
+    def add_compensation(self, compensation: Compensation) -> None:
+        """Register an undo step before announcing the result it undoes."""
+        self.compensations.append(compensation)
+
+    def hand_over(self) -> list[Compensation]:
+        """The requester takes the job's compensations (synchronously, with its result)."""
+        self.handed_over = True
+        taken, self.compensations = self.compensations, []
+        return taken
+
+    def cancel(self) -> None:
+        """Stop the job (before or while it runs); idempotent."""
+        self.scope.cancel(reason="requester no longer wants the job")

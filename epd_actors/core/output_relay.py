@@ -1,0 +1,211 @@
+"""The output relay: an output stage's deltas go straight to the request's caller.
+
+Theory of operation
+-------------------
+A request's output stage (decode, or merged PD) produces one delta per engine
+step or burst.  Passing each through the supervisor's request task would cost
+one more task wake-up per delta; instead the supervisor hands the output job an
+:class:`OutputRelay` (``Job.output``), and the job's own task puts each
+non-final delta on the request's event channel as a ``DeltaEvent``, doing the
+supervisor's bookkeeping (first-token time, tokens so far) as it goes.  The
+job's final delta still travels on the job's reply channel, so the supervisor
+sees the end of the stage, takes over the job's compensations and sends the
+usage and done events after the last ``DeltaEvent``: the order the caller sees
+is the order the worker produced.  The supervisor closes the relay
+(:meth:`OutputRelay.close`) when it is done with the job, before it sends
+anything else, so a delta of a job being cancelled never follows that.
+
+Who calls it: the job's task (:meth:`OutputRelay.offer`, :meth:`OutputRelay.put`),
+or, while that task waits with nothing queued, the backend's reader on its
+behalf (:meth:`OutputRelay.sink`, never raising).  The caller may take each
+``DeltaEvent`` itself before it is queued (``direct``, see
+:data:`~epd_actors.request.DirectDeltas`), which the HTTP front end does to
+write the token to its client at once.
+
+Deadlines: the relay notes when the last delta passed (``last_delta_at``) and
+whether it is waiting for the caller (``waiting_for_caller``).  The supervisor,
+waiting for the final event, takes its deadline from those
+(:meth:`OutputRelay.deadline`) and, when it passes, asks again before it gives
+up.  Only the first delta touches the waiting scope (``watch``), because the
+inter-token deadline may come before the first-token one; the same first delta
+lifts the job's attempt deadline (``attempt``, the actor's first-token deadline
+of the attempt running).  So the inter-token
+timeout still measures the gap between two deltas, without a deadline change
+per delta; and while the caller reads too slowly for the event channel to take
+a delta, the timeout does not run: a slow reader is not a stalled worker (the
+request's own deadline still applies).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+
+from ..request import DeltaEvent, GenerationEvent
+
+if TYPE_CHECKING:
+    from ..protocol import Delta
+    from ..request import DirectDeltas
+
+
+def delta_event(delta: Delta) -> DeltaEvent:
+    """The caller's event for ``delta``: everything of it but the terminal parts."""
+    return DeltaEvent(
+        delta.text, delta.token_ids, delta.logprobs, delta.tokens, delta.top_logprobs, delta.fields
+    )
+
+
+class OutputProgress(Protocol):
+    """The part of a request's record the relay keeps up to date."""
+
+    first_token_at: float | None
+    completion_tokens: int
+
+
+class OutputRelay:
+    """Puts an output job's deltas on its request's event channel (see the module doc).
+
+    Args:
+        events: the request's event channel (the caller reads the other end).
+        progress: where the first-token time and the token count are kept.
+        inter_token_s: the inter-token timeout the deadline is moved by.
+        direct: the caller's offer to take deltas itself (see
+            :data:`~epd_actors.request.DirectDeltas`), tried before the channel.
+    """
+
+    __slots__ = (
+        "_direct",
+        "_events",
+        "_inter_token_s",
+        "_progress",
+        "attempt",
+        "caller_left",
+        "closed",
+        "last_delta_at",
+        "relayed",
+        "waiting_for_caller",
+        "watch",
+    )
+
+    def __init__(
+        self,
+        events: trio.MemorySendChannel[GenerationEvent],
+        progress: OutputProgress,
+        inter_token_s: float,
+        direct: DirectDeltas | None = None,
+    ) -> None:
+        self._direct = direct
+        self._events = events
+        self._progress = progress
+        self._inter_token_s = inter_token_s
+        self.relayed = False  # a delta arrived through this relay
+        self.last_delta_at = -math.inf
+        self.waiting_for_caller = False
+        self.caller_left = False
+        self.closed = False
+        self.watch: trio.CancelScope | None = None  # the supervisor's wait, while it waits
+        self.attempt: trio.CancelScope | None = None  # the job's attempt, while one runs
+
+    def deadline(self, first_token_deadline: float) -> float:
+        """When the output stage counts as stalled, as of now.
+
+        ``first_token_deadline`` until a delta arrived, then the inter-token
+        timeout after the last one; while the relay waits for the caller, one
+        inter-token timeout from now (to be asked again then).
+        """
+        if self.waiting_for_caller:
+            return trio.current_time() + self._inter_token_s
+        if not self.relayed:
+            return first_token_deadline
+        return self.last_delta_at + self._inter_token_s
+
+    def close(self) -> None:
+        """The supervisor is done with the job: drop whatever still comes, quietly.
+
+        Whatever the supervisor sends next (the stage's end, an error) must
+        not be followed by a late delta of a job that is being cancelled.
+        """
+        self.closed = True
+
+    def offer(self, delta: Delta) -> bool:
+        """Relay ``delta`` if the event channel has room now; False (nothing done) if not.
+
+        Not a checkpoint.  A closed relay drops the delta (and returns True).
+
+        Raises:
+            trio.BrokenResourceError: the caller closed its end (``caller_left`` is set).
+        """
+        if self.closed:
+            return True
+        if delta.token_ids or delta.text or delta.fields:
+            event = delta_event(delta)
+            direct = self._direct
+            if direct is None or not direct(event):
+                try:
+                    self._events.send_nowait(event)
+                except trio.WouldBlock:
+                    return False
+                except trio.BrokenResourceError:
+                    self.caller_left = True
+                    raise
+            self._count(delta)
+        self._progressed()
+        return True
+
+    async def put(self, delta: Delta) -> None:
+        """Relay ``delta``, waiting for room in the event channel.
+
+        Raises:
+            trio.BrokenResourceError: the caller closed its end (``caller_left`` is set).
+
+        Cancellation: safe; a delta cancelled here was not relayed.
+        Backpressure: waits while the caller has ``REQUEST_EVENT_BUFFER`` events
+        unread; the inter-token timeout does not run meanwhile.
+        """
+        if self.closed:
+            await trio.lowlevel.checkpoint()
+            return
+        if delta.token_ids or delta.text or delta.fields:
+            self.waiting_for_caller = True
+            try:
+                await self._events.send(delta_event(delta))
+            except trio.BrokenResourceError:
+                self.caller_left = True
+                raise
+            finally:
+                self.waiting_for_caller = False
+            self._count(delta)
+        else:
+            await trio.lowlevel.checkpoint()
+        self._progressed()
+
+    def sink(self, delta: Delta) -> bool:
+        """:meth:`offer` for a task that is not the job's and must not fail.
+
+        A backend's reader calls it with a delta of the job's stream, as soon as
+        the delta arrives, while the job's task waits with nothing queued.  False:
+        the delta was not taken (no room, or the caller left); the reader then
+        queues it for the job's task, which meets the same condition itself.
+        """
+        try:
+            return self.offer(delta)
+        except trio.BrokenResourceError:
+            return False
+
+    def _progressed(self) -> None:
+        now = self.last_delta_at = trio.current_time()
+        if not self.relayed:
+            self.relayed = True
+            # The inter-token deadline may come before the first-token one.
+            if self.watch is not None:
+                self.watch.deadline = min(self.watch.deadline, now + self._inter_token_s)
+            if self.attempt is not None:  # the output started: no first-token deadline
+                self.attempt.deadline = math.inf
+
+    def _count(self, delta: Delta) -> None:
+        progress = self._progress
+        if progress.first_token_at is None:
+            progress.first_token_at = trio.current_time()
+        progress.completion_tokens += len(delta.token_ids)

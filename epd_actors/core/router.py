@@ -1,0 +1,322 @@
+"""The embeddable API: ``async with open_router(config) as router: ...``.
+
+Theory of operation: :func:`open_router` builds one backend per configured
+worker and one pool per stage and model (:func:`build_pools`), starts every
+backend's connection supervisor and the
+:class:`~epd_actors.core.supervisor.Supervisor` in a nursery it owns, and yields a
+:class:`Router`.  Leaving the block cancels everything: in-flight requests
+end, their workers are told to abort, connections close.
+
+Example::
+
+    async with open_router(config) as router:
+        await router.wait_ready()
+        async with router.generate(GenerationRequest(Prompt(text="hi"))) as events:
+            async for event in events:
+                ...
+
+Public coroutines raise single typed ``EpdError``s, never exception groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from .._groups import single_exception
+from ..backends.base import ManagedBackend, WorkerRequirement
+from ..errors import ConfigError, NoHealthyWorker
+from .actors import STAGE_ACTORS, stage_policy
+from .backend_kinds import backend_kind
+from .config import PoolConfig, RouterConfig, WorkerEndpoint, pool_name
+from .metrics import RouterMetrics
+from .models import ModelCatalog
+from .pool import MemberStatistics, WorkerPool
+from .routing import build_policy
+from .supervisor import Supervisor, SupervisorStatistics
+
+if TYPE_CHECKING:
+    from ..lora import LoraAdapter
+    from ..request import DirectDeltas, GenerationEvent, GenerationRequest
+    from .actors import ActorStatistics
+    from .models import ModelCard
+
+logger = logging.getLogger(__name__)
+
+BackendFactory = Callable[[WorkerEndpoint, RouterConfig], ManagedBackend]
+
+
+class DefaultBackendFactory:
+    """Builds each worker's backend through its kind (``endpoint.backend``, a registered name).
+
+    Use one per router: each kind's factory is opened once and builds all of
+    that kind's backends, so they share what the kind shares (the
+    ``openai_http`` backends: one KV hand-off ledger; see
+    :mod:`epd_actors.core.backend_kinds`).
+
+    Args:
+        **settings: a kind's settings by the kind's name, overriding the router
+            configuration's (``openai_http=OpenAIHttpSettings(...)``,
+            ``native=NativeSettings(...)``).
+    """
+
+    def __init__(self, **settings: object) -> None:
+        self._settings = settings
+        self._factories: dict[str, Callable[[WorkerEndpoint, RouterConfig], ManagedBackend]] = {}
+
+    def __call__(self, endpoint: WorkerEndpoint, config: RouterConfig) -> ManagedBackend:
+        factory = self._factories.get(endpoint.backend)
+        if factory is None:
+            kind = backend_kind(endpoint.backend, key=f"worker {endpoint.worker_id!r} backend")
+            factory = kind.open_factory(config, self._settings.get(kind.name))
+            self._factories[endpoint.backend] = factory
+        return factory(endpoint, config)
+
+
+def default_backend_factory(endpoint: WorkerEndpoint, config: RouterConfig) -> ManagedBackend:
+    """Build the backend of ``endpoint`` by its kind (each call on its own).
+
+    :func:`open_router` uses a :class:`DefaultBackendFactory` per router
+    instead, so that its ``openai_http`` backends share their hand-off ledger.
+    """
+    return DefaultBackendFactory()(endpoint, config)
+
+
+native_backend_factory = default_backend_factory
+"""The former name of :func:`default_backend_factory`."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterStatistics:
+    """Everything the router counts, for /health and /metrics."""
+
+    supervisor: SupervisorStatistics
+    pools: dict[str, list[MemberStatistics]]
+    actors: dict[str, ActorStatistics]
+    """Both by pool name: the stage, or ``stage@model`` for a model other than the default."""
+
+
+class Router:
+    """A running router; obtained from :func:`open_router`."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        supervisor: Supervisor,
+        pools: dict[str, WorkerPool],
+        nursery: trio.Nursery,
+        backend_factory: BackendFactory,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.supervisor = supervisor
+        self.pools = pools
+        self._nursery = nursery
+        self._backend_factory = backend_factory
+        self.backends: dict[str, ManagedBackend] = {}
+        self._backend_scopes: dict[str, trio.CancelScope] = {}
+
+    def __repr__(self) -> str:
+        return f"<Router topology={'+'.join(self.supervisor.topology)}>"
+
+    def generate(
+        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
+    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
+        """Run one request; the block yields its events (see ``Supervisor.generate``)."""
+        return self.supervisor.generate(request, direct=direct)
+
+    def model_cards(self) -> list[ModelCard]:
+        """Every model the pools serve, then every LoRA adapter (``/v1/models``)."""
+        return self.supervisor.catalog.cards()
+
+    def statistics(self) -> RouterStatistics:
+        return RouterStatistics(
+            supervisor=self.supervisor.statistics(),
+            pools={stage: pool.statistics() for stage, pool in self.pools.items()},
+            actors={stage: a.statistics() for stage, a in self.supervisor.actors.items()},
+        )
+
+    async def wait_ready(self) -> None:
+        """Wait until every pool has at least one worker ready to take work.
+
+        Raises:
+            NoHealthyWorker: a pool has no workers configured at all.
+        """
+        for stage, pool in self.pools.items():
+            if not len(pool):
+                raise NoHealthyWorker(f"pool {stage!r} has no workers")
+            async with trio.open_nursery() as nursery:
+                for member in pool.members:
+                    backend = self.backends[member.worker_id]
+                    nursery.start_soon(_first_ready, backend, nursery.cancel_scope)
+
+    async def add_worker(
+        self, stage: str, endpoint: WorkerEndpoint, *, model: str | None = None
+    ) -> None:
+        """Add a worker to a running router (its connection starts at once).
+
+        Args:
+            stage: the stage of the pool it joins.
+            endpoint: the worker.
+            model: the model of the pool it joins (default: the router's model).
+
+        Raises:
+            ConfigError: no pool of that stage and model, or a duplicate worker id.
+        """
+        served = model or self.config.model
+        pool = self.pools.get(pool_name(stage, served, self.config.model))
+        if pool is None:
+            raise ConfigError(f"no pool for stage {stage!r} of model {served!r}")
+        if any(p.get(endpoint.worker_id) for p in self.pools.values()):
+            raise ConfigError(f"worker id {endpoint.worker_id!r} already exists")
+        backend = self._backend_factory(endpoint, self.config)
+        scope = await self._nursery.start(_run_backend, backend)
+        self._backend_scopes[endpoint.worker_id] = scope
+        self.backends[endpoint.worker_id] = backend
+        pool.add(backend)
+
+    def drain_worker(self, worker_id: str) -> None:
+        """Send the worker no new jobs; its in-flight jobs finish normally.
+
+        Raises:
+            ConfigError: unknown worker id.
+        """
+        for pool in self.pools.values():
+            if pool.get(worker_id) is not None:
+                pool.drain(worker_id)
+                logger.info("worker %s drained by an operator", worker_id)
+                return
+        raise ConfigError(f"unknown worker {worker_id!r}")
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Remove a worker; its in-flight jobs are cancelled with its connection.
+
+        Raises:
+            ConfigError: unknown worker id.
+        """
+        for pool in self.pools.values():
+            if pool.get(worker_id) is not None:
+                pool.remove(worker_id)
+                del self.backends[worker_id]
+                self._backend_scopes.pop(worker_id).cancel(reason="worker removed")
+                return
+        raise ConfigError(f"unknown worker {worker_id!r}")
+
+
+async def _first_ready(backend: ManagedBackend, scope: trio.CancelScope) -> None:
+    await backend.wait_ready()
+    scope.cancel(reason="a worker of the pool is connected")
+
+
+async def _run_backend(
+    backend: ManagedBackend,
+    *,
+    task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    with trio.CancelScope() as scope:
+        task_status.started(scope)
+        await backend.run()
+
+
+def build_pools(config: RouterConfig) -> dict[str, WorkerPool]:
+    """One empty pool per configured stage and model, by pool name (``RouterConfig.pool_name``).
+
+    Each has its routing policy, limits and requirement: its workers must
+    announce a role its stage actor serves (``worker_roles``, from the stage
+    registry) and the pool's model.
+    """
+    pools: dict[str, WorkerPool] = {}
+    for pool in config.pools:
+        name = config.pool_name(pool)
+        model = config.pool_model(pool)
+        try:
+            policy = build_policy(stage_policy(pool.stage, pool.policy), pool.policy_options)
+        except ConfigError as exc:
+            raise ConfigError(f"pools.{pool.stage}.policy: {exc}") from None
+        pools[name] = WorkerPool(
+            pool.stage,
+            policy,
+            max_in_flight_per_worker=pool.max_in_flight_per_worker,
+            health=config.health,
+            requirement=worker_requirement(
+                pool.stage, model, loadable=_loadable(config, pool, model)
+            ),
+            model=model,
+            name=name,
+        )
+    return pools
+
+
+def _loadable(config: RouterConfig, pool: PoolConfig, model: str) -> tuple[LoraAdapter, ...]:
+    """The adapters the pool's backends may load at run time (those with a path)."""
+    if not pool.lora_loading:
+        return ()
+    return tuple(a for a in config.lora_adapters(model) if a.path is not None)
+
+
+def build_catalog(config: RouterConfig, pools: dict[str, WorkerPool]) -> ModelCatalog:
+    """The models of ``pools`` and the configured adapters of each."""
+    adapters = {
+        adapter.name: model.name for model in config.models for adapter in model.lora_adapters
+    }
+    return ModelCatalog(pools.values(), default_model=config.model, adapters=adapters)
+
+
+def worker_requirement(
+    stage: str, model: str, *, loadable: tuple[LoraAdapter, ...] = ()
+) -> WorkerRequirement:
+    """What the workers of ``stage``'s pool must announce (any role for an unknown stage)."""
+    actor = STAGE_ACTORS.get(stage)
+    return WorkerRequirement(
+        stage,
+        roles=frozenset() if actor is None else actor.worker_roles,
+        model=model,
+        loadable_adapters=loadable,
+        consumes_kv_handoff=actor is not None and actor.consumes_kv_handoff,
+    )
+
+
+@asynccontextmanager
+async def open_router(
+    config: RouterConfig, *, backend_factory: BackendFactory | None = None
+) -> AsyncIterator[Router]:
+    """Start a router for ``config``; stop it when the block exits.
+
+    Args:
+        config: pools, workers, deadlines and limits.
+        backend_factory: builds a backend per worker (default: a
+            :class:`DefaultBackendFactory`, by each worker's ``backend`` kind).
+
+    Cancellation: leaving the block cancels every request and connection;
+    workers are told to abort within shielded, bounded cleanups.
+    """
+    factory = backend_factory or DefaultBackendFactory()
+    pools = build_pools(config)
+    metrics = RouterMetrics()
+    supervisor = Supervisor(
+        pools,
+        deadlines=config.deadlines,
+        limits=config.actors,
+        observer=metrics,
+        retry=config.retries,
+        admission=config.admission,
+        catalog=build_catalog(config, pools),
+    )
+    with single_exception():
+        async with trio.open_nursery() as nursery:
+            router = Router(config, supervisor, pools, nursery, factory, metrics)
+            metrics.watch(router.statistics)
+            for pool in config.pools:
+                for endpoint in pool.workers:
+                    await router.add_worker(pool.stage, endpoint, model=pool.model)
+            await nursery.start(supervisor.run)
+            try:
+                yield router
+            finally:
+                nursery.cancel_scope.cancel(reason="router closed")

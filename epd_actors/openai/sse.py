@@ -1,0 +1,92 @@
+"""Server-sent events of one generation: batching what is queued, rendering it.
+
+Per-token work decides a streaming front end's cost, so a response never
+writes per event: :func:`next_batch` waits for one event and takes every event
+already queued behind it without waiting, and :func:`render_batch` turns the
+batch into SSE text by templating (:class:`~.openai_format.SseFormatter`), to
+be written with one ``send_all``.  A batch ends at the final event:
+``DoneEvent`` renders the finish chunk, the usage chunk (when asked for), a
+``: timings ...`` comment and ``data: [DONE]``; ``ErrorEvent`` renders the
+timings comment and an ``error`` event, and no ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+import trio
+
+from ..errors import ActorCrashed
+from ..request import DeltaEvent, DoneEvent, ErrorEvent, RequestTimings
+from .errors import ErrorBody, error_response
+from .format import error_body
+
+if TYPE_CHECKING:
+    from ..errors import EpdError
+    from ..request import GenerationEvent
+    from .format import SseFormatter
+    from .schema import ParsedRequest
+
+_NO_TIMINGS: Final = RequestTimings(
+    queue_wait_s=0.0, stages={}, ttft_s=None, total_s=0.0, workers={}
+)
+
+
+async def next_batch(
+    events: trio.MemoryReceiveChannel[GenerationEvent],
+) -> list[GenerationEvent]:
+    """One event (waiting for it) plus every event already queued behind it.
+
+    An empty list means the channel ended without a final event.
+
+    Cancellation: safe; nothing is lost that was not already taken.
+    Backpressure: waits only for the first event.
+    """
+    try:
+        batch = [await events.receive()]
+    except trio.EndOfChannel:
+        return []
+    while not isinstance(batch[-1], DoneEvent | ErrorEvent):
+        try:
+            batch.append(events.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+    return batch
+
+
+def render_batch(
+    formatter: SseFormatter, batch: list[GenerationEvent], parsed: ParsedRequest
+) -> tuple[str, DoneEvent | ErrorEvent | None]:
+    """The SSE text of a batch of events, and its final event if it has one."""
+    if not batch:
+        error = ActorCrashed("the request ended without a final event")
+        return formatter.error(stream_error_body(error)), ErrorEvent(error, _NO_TIMINGS)
+    parts: list[str] = []
+    for event in batch:
+        if isinstance(event, DeltaEvent):
+            if worth_a_chunk(event, logprobs=parsed.logprobs):
+                parts.append(formatter.event(event))
+        elif isinstance(event, DoneEvent):
+            parts.append(formatter.finish(event.finish_reason))
+            if parsed.include_usage:
+                parts.append(formatter.usage(event.usage))
+            parts.append(formatter.comment("timings " + event.timings.header_value()))
+            parts.append(formatter.done())
+            return "".join(parts), event
+        elif isinstance(event, ErrorEvent):
+            parts.append(formatter.comment("timings " + event.timings.header_value()))
+            parts.append(formatter.error(stream_error_body(event.error)))
+            return "".join(parts), event
+    return "".join(parts), None
+
+
+def worth_a_chunk(event: DeltaEvent, *, logprobs: bool) -> bool:
+    """Whether ``event`` renders a chunk: text, ``fields``, or tokens whose logprobs were asked."""
+    return bool(event.text or event.fields or (logprobs and event.token_ids))
+
+
+def stream_error_body(error: EpdError) -> ErrorBody:
+    answer = error_response(error)
+    if answer is None:
+        return error_body(str(error), type="cancelled", code="cancelled")
+    return answer.body

@@ -1,0 +1,79 @@
+"""``python -m epd_actors check-config FILE``: validate a configuration and explain it."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from ..core.actors import STAGE_ACTORS, stage_policy
+from ..core.router import build_catalog, build_pools
+from ..core.supervisor import Supervisor
+from ..errors import ConfigError
+from .config_file import FileConfig, load_config
+
+if TYPE_CHECKING:
+    import argparse
+
+
+def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="the TOML configuration to validate")
+
+
+def describe(config: FileConfig) -> str:
+    """A human-readable summary of a valid configuration."""
+    router, server = config.router, config.server
+    lines = [f"model:      {router.model}"]
+    for model in router.served_models():
+        stages = sorted(
+            (p.stage for p in router.pools if router.pool_model(p) == model),
+            key=lambda s: STAGE_ACTORS[s].order,
+        )
+        adapters = [a.name for a in router.lora_adapters(model)]
+        lora = f"   LoRA adapters: {', '.join(adapters)}" if adapters else ""
+        label = "topology:  " if model == router.model else f"topology of {model}:"
+        lines.append(f"{label} {' -> '.join(stages)}{lora}")
+    lines += [
+        f"http:       {server.http_listen}"
+        + (f"   websocket: {server.ws_listen}" if server.ws_listen else ""),
+        f"api keys:   {len(server.http.api_keys) or 'none (open)'}"
+        f"   admin routes: {'on' if server.http.admin_keys else 'off'}",
+        f"worker auth token: {'set' if router.auth_token else 'NOT SET'}",
+        "deadlines:  "
+        + ", ".join(
+            f"{name}={getattr(router.deadlines, name):g}s"
+            for name in (
+                "request_timeout_s",
+                "encode_timeout_s",
+                "prefill_timeout_s",
+                "first_token_timeout_s",
+                "inter_token_timeout_s",
+                "cleanup_timeout_s",
+            )
+        ),
+    ]
+    for pool in router.pools:
+        lines.append(
+            f"pool {router.pool_name(pool)}: policy={stage_policy(pool.stage, pool.policy)} "
+            f"max_in_flight_per_worker={pool.max_in_flight_per_worker}"
+            + (" lora_loading" if pool.lora_loading else "")
+        )
+        lines += [f"  - {w.worker_id} {w.backend} {w.address}" for w in pool.workers]
+    return "\n".join(lines)
+
+
+def check_topology(config: FileConfig) -> None:
+    """Build (without starting) the supervisor, so topology errors surface here too."""
+    pools = build_pools(config.router)
+    Supervisor(pools, catalog=build_catalog(config.router, pools))
+
+
+def run_check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+        check_topology(config)
+    except ConfigError as exc:
+        print(f"{args.file}: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.file}: OK")
+    print(describe(config))
+    return 0

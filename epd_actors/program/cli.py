@@ -1,0 +1,197 @@
+"""``python -m epd_actors``: the command line.
+
+Subcommands:
+    (none)        a complete local deployment on simulated workers (``local``)
+    serve         the router for real deployments: ``serve --config epd.toml``
+    worker        one native worker process
+    check-config  validate a configuration file and explain it
+    bench         a load generator for any OpenAI-compatible endpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import signal
+import sys
+from dataclasses import replace
+from functools import partial
+
+import trio
+
+from .. import __version__
+from .._groups import first_leaf
+from ..bench.cli import add_bench_arguments, run_bench
+from ..errors import ConfigError
+from ..logs import LOG_FORMATS, configure_logging
+from .check_config import add_check_config_arguments, check_topology, run_check_config
+from .config_file import FileConfig, load_config, parse_host_port
+from .local import add_local_arguments, run_local
+from .serve import serve_router
+from .worker import add_worker_arguments, run_worker
+
+COMMANDS = ("local", "serve", "worker", "check-config", "bench")
+# Asked for when the hard open-file limit is "unlimited" (Linux then still caps
+# the soft limit at fs.nr_open, 1,048,576 by default).
+UNLIMITED_NOFILE_TARGET = 1 << 20
+
+logger = logging.getLogger(__name__)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=default,
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING (default), ERROR or CRITICAL, in any case; "
+        "before or after the command",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text" if default is not argparse.SUPPRESS else argparse.SUPPRESS,
+        help="text (default) or json: one JSON object per line, for log pipelines",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    # After the command it overrides what came before it; absent, it leaves that alone.
+    _add_log_level(common, argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(
+        prog="python -m epd_actors",
+        description="A Trio-native router for Encode/Prefill/Decode disaggregated LLM serving. "
+        "Without a command: a local deployment on simulated workers.",
+    )
+    parser.add_argument("--version", action="version", version=f"epd_actors {__version__}")
+    _add_log_level(parser, "WARNING")
+    commands = parser.add_subparsers(dest="command")
+    local = commands.add_parser(
+        "local", parents=[common], help="(default) router + simulated workers on localhost"
+    )
+    add_local_arguments(local)
+    serve = commands.add_parser("serve", parents=[common], help="run the router from a config")
+    serve.add_argument("--config", required=True, help="the TOML configuration file")
+    serve.add_argument("--http-listen", default=None, help="HOST:PORT (overrides the file)")
+    serve.add_argument("--ws-listen", default=None, help="HOST:PORT (overrides the file)")
+    serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log one line per HTTP request (as [server] access_log = true), at any --log-level",
+    )
+    worker = commands.add_parser("worker", parents=[common], help="run one native worker")
+    add_worker_arguments(worker)
+    check = commands.add_parser(
+        "check-config", parents=[common], help="validate a configuration file"
+    )
+    add_check_config_arguments(check)
+    bench = commands.add_parser(
+        "bench", parents=[common], help="load an OpenAI-compatible endpoint and summarise"
+    )
+    add_bench_arguments(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand; returns the exit status."""
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(_with_command(arguments))
+    configure_logging(args.log_level, args.log_format)
+    raise_open_file_limit()
+    runners = {
+        "local": run_local,
+        "serve": run_serve,
+        "worker": run_worker,
+        "check-config": run_check_config,
+        "bench": run_bench,
+    }
+    return runners[args.command](args)
+
+
+def _with_command(arguments: list[str]) -> list[str]:
+    """``arguments`` with ``local`` put in where no command is named.
+
+    Options before the command (``--log-level LEVEL``, ``--version``, ``-h``) stay in front.
+    """
+    index = 0
+    while index < len(arguments):
+        if arguments[index] in ("-h", "--help", "--version"):
+            return arguments
+        if arguments[index] in ("--log-level", "--log-format"):
+            index += 2
+        elif arguments[index].startswith(("--log-level=", "--log-format=")):
+            index += 1
+        else:
+            break
+    if index < len(arguments) and arguments[index] in COMMANDS:
+        return arguments
+    return [*arguments[:index], "local", *arguments[index:]]
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit; returns ``(soft, hard)`` after.
+
+    Every client connection, worker connection and listener holds a file
+    descriptor, and the usual soft limit (1,024) would cap a router at about
+    a thousand streams whatever its configuration says.  The hard limit is
+    what the administrator allows; raising the soft limit up to it needs no
+    privilege (nginx, HAProxy and Go's runtime do the same at start-up).  A
+    refusal is logged and leaves the limit as it was.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = UNLIMITED_NOFILE_TARGET if hard == resource.RLIM_INFINITY else hard
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        logger.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+        return soft, hard
+    logger.debug("open-file limit raised from %d to %d", soft, target)
+    return target, hard
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``serve --config FILE``: run until SIGTERM/SIGINT, then drain."""
+    try:
+        config = load_config(args.config)
+        server = config.server
+        if args.http_listen:
+            parse_host_port(args.http_listen, key="--http-listen")
+            server = replace(server, http_listen=args.http_listen)
+        if args.ws_listen:
+            parse_host_port(args.ws_listen, key="--ws-listen")
+            server = replace(server, ws_listen=args.ws_listen)
+        if args.access_log:
+            server = replace(server, http=replace(server.http, access_log=True))
+        config = replace(config, server=server)
+        check_topology(config)
+    except ConfigError as exc:
+        print(f"epd_actors serve: configuration error: {exc}", file=sys.stderr)
+        return 2
+    status = 0
+    try:
+        trio.run(_serve, config)
+    except* OSError as group:
+        print(f"epd_actors serve: cannot listen: {first_leaf(group)}", file=sys.stderr)
+        status = 2
+    return status
+
+
+async def _serve(config: FileConfig) -> None:
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            addresses, _router = await nursery.start(partial(serve_router, config, stop=stop))
+            print(f"epd_actors: router listening on {addresses.http_url}", flush=True)
+            if addresses.ws_url:
+                print(f"epd_actors: WebSocket streaming on {addresses.ws_url}", flush=True)
+            async for _ in signals:
+                stop.set()
+                break

@@ -1,0 +1,2 @@
+"""Byte streams under the native protocol: one framed, lock-serialized message stream per
+connection."""
