@@ -53,7 +53,8 @@ import trio
 from epd_actors.addresses import parse_address
 from epd_actors.backends.native.backend import NativeBackend, NativeSettings
 from epd_actors.core.router import open_router
-from epd_actors.openai.media import MediaLimits, resolve_media
+from epd_actors.frontends.media_fetch import resolve_media
+from epd_actors.openai.media import MediaLimits
 from epd_actors.openai.schema import parse_chat_completion
 from epd_actors.program.deployment import WorkerSpec, worker_command
 from epd_actors.program.worker import AUTH_TOKEN_ENV

@@ -14,6 +14,7 @@ import pytest
 import trio
 
 import epd_actors.core.backend_kinds as kinds_module
+import epd_actors.core.config as config_module
 import epd_actors.core.routing.base as routing_module
 from epd_actors.backends.inprocess import InProcessBackend
 from epd_actors.core.actors import STAGE_ACTORS, BaseActor, StageOutput, register_stage
@@ -98,14 +99,18 @@ class Audit(BaseActor):
 @pytest.fixture
 def registered() -> Iterator[None]:
     """The three registrations, undone afterwards so other tests see the built-ins only."""
-    saved = (dict(routing_module._REGISTRY), dict(kinds_module._KINDS), dict(STAGE_ACTORS))
+    registries = (
+        routing_module._REGISTRY,
+        kinds_module._KINDS,
+        config_module._ADDRESS_CHECKS,
+        STAGE_ACTORS,
+    )
+    saved = tuple(dict(registry) for registry in registries)
     register_policy(LowestId)
     register_backend_kind(SimulatedKind)
     register_stage(Audit)
     yield
-    for registry, before in zip(
-        (routing_module._REGISTRY, kinds_module._KINDS, STAGE_ACTORS), saved, strict=True
-    ):
+    for registry, before in zip(registries, saved, strict=True):
         registry.clear()
         registry.update(before)  # type: ignore[attr-defined]
 

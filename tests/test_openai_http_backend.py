@@ -27,6 +27,7 @@ import pytest
 import trio
 import trio.testing
 
+from epd_actors.addresses import check_http_url
 from epd_actors.backends.native.backend import NativeBackend
 from epd_actors.backends.openai_http.backend import (
     OpenAIHttpBackend,
@@ -46,11 +47,10 @@ from epd_actors.backends.openai_http.contract import (
     prefill_body,
     remote_decode_params,
 )
-from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint, check_http_url
+from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint
 from epd_actors.core.router import (
     DefaultBackendFactory,
     default_backend_factory,
-    native_backend_factory,
     open_router,
     worker_requirement,
 )
@@ -217,7 +217,9 @@ async def running_backend(
     pool, endpoint = next(
         (p, w) for p in config.pools for w in p.workers if w.worker_id == worker_id
     )
-    backend = factory(endpoint, config)
+    backend = factory.build(
+        endpoint.worker_id, endpoint.address, model=config.model, stage=pool.stage
+    )
     backend.expect(worker_requirement(pool.stage, config.model))  # as its pool would
     async with trio.open_nursery() as nursery:
         await nursery.start(backend.run)
@@ -460,11 +462,10 @@ def test_config_accepts_http_urls_for_openai_http_only() -> None:
     worker = WorkerEndpoint("p0", "http://127.0.0.1:8000", "openai_http")
     config = RouterConfig((PoolConfig("pd", (worker,)),))
     assert isinstance(default_backend_factory(worker, config), OpenAIHttpBackend)
-    assert native_backend_factory is default_backend_factory
     with pytest.raises(ConfigError, match=r"pools\.pd\.workers\[0\]\.address"):
         RouterConfig((PoolConfig("pd", (WorkerEndpoint("p0", "http://h:1"),)),))
     with pytest.raises(ConfigError, match="'late'"):  # added at run time, never validated
-        OpenAIHttpBackendFactory()(WorkerEndpoint("late", "tcp://h:1", "openai_http"), config)
+        DefaultBackendFactory()(WorkerEndpoint("late", "tcp://h:1", "openai_http"), config)
     native = WorkerEndpoint("n0", "tcp://127.0.0.1:9000")
     assert isinstance(DefaultBackendFactory()(native, config), NativeBackend)
 

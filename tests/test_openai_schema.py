@@ -13,13 +13,8 @@ import pytest
 import trio
 
 from epd_actors.errors import ConfigError, InvalidRequest
-from epd_actors.openai.media import (
-    MediaLimits,
-    MediaPolicy,
-    PendingMedia,
-    open_media_fetcher,
-    resolve_media,
-)
+from epd_actors.frontends.media_fetch import open_media_fetcher, resolve_media
+from epd_actors.openai.media import MediaLimits, MediaPolicy, PendingMedia
 from epd_actors.openai.schema import (
     ParsedRequest,
     SseFormatter,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 from ..addresses import check_http_url, parse_address
 from ..errors import ConfigError
+from .config import register_address_check
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -65,6 +66,7 @@ def register_backend_kind(cls: K) -> K:
     if existing is not None and type(existing) is not cls:
         raise ValueError(f"backend kind {kind.name!r} is registered already")
     _KINDS[kind.name] = kind
+    register_address_check(kind.name, lambda address, key: kind.check_address(address, key=key))
     return cls
 
 
@@ -131,4 +133,15 @@ class OpenAIHttpKind:
         from ..backends.openai_http.settings import OpenAIHttpSettings
 
         chosen = settings if isinstance(settings, OpenAIHttpSettings) else config.openai_http
-        return OpenAIHttpBackendFactory(chosen)
+        factory = OpenAIHttpBackendFactory(chosen)
+
+        def build(endpoint: WorkerEndpoint, config: RouterConfig) -> ManagedBackend:
+            pool = next((p for p in config.pools if endpoint in p.workers), None)
+            return factory.build(
+                endpoint.worker_id,
+                endpoint.address,
+                model=config.model if pool is None else config.pool_model(pool),
+                stage="" if pool is None else pool.stage,
+            )
+
+        return build

@@ -10,20 +10,45 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..addresses import check_http_url as check_http_url  # where it lived before
 from ..backends.native.settings import NativeSettings
 from ..backends.openai_http.settings import OpenAIHttpSettings
 from ..errors import ConfigError
 from ..limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS
-from .backend_kinds import backend_kind
 from .health import HealthPolicy
 from .retry import RetryPolicy
 from .routing import build_policy
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from ..lora import LoraAdapter
+
+
+_ADDRESS_CHECKS: dict[str, Callable[[str, str], None]] = {}
+
+
+def register_address_check(backend: str, check: Callable[[str, str], None]) -> None:
+    """Make ``backend`` a valid worker backend whose addresses ``check(address, key)`` checks.
+
+    :func:`~epd_actors.core.backend_kinds.register_backend_kind` calls this for
+    every kind it registers, so the configuration knows the kinds without
+    importing the module that builds their backends.
+    """
+    _ADDRESS_CHECKS[backend] = check
+
+
+def check_worker_address(backend: str, address: str, *, key: str) -> None:
+    """Refuse an unknown ``backend``, or an ``address`` its kind cannot reach.
+
+    Raises:
+        ConfigError: naming ``key.backend`` (with the known kinds) or ``key.address``.
+    """
+    check = _ADDRESS_CHECKS.get(backend)
+    if check is None:
+        raise ConfigError(
+            f"{key}.backend: unknown backend {backend!r} (choose from {', '.join(_ADDRESS_CHECKS)})"
+        )
+    check(address, f"{key}.address")
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,8 +289,7 @@ def validate(config: RouterConfig) -> None:
             if worker.worker_id in seen_workers:
                 raise ConfigError(f"{worker_key}.id: duplicate worker id {worker.worker_id!r}")
             seen_workers.add(worker.worker_id)
-            kind = backend_kind(worker.backend, key=f"{worker_key}.backend")
-            kind.check_address(worker.address, key=f"{worker_key}.address")
+            check_worker_address(worker.backend, worker.address, key=worker_key)
     _check_models(config)
     deadlines = config.deadlines
     for name in (

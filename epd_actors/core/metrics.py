@@ -26,7 +26,7 @@ from .lifecycle import Phase
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from .router import RouterStatistics
+    from .statistics import RouterStatistics
     from .supervisor import RequestOutcome
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

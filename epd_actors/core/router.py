@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
@@ -36,14 +35,14 @@ from .backend_kinds import backend_kind
 from .config import PoolConfig, RouterConfig, WorkerEndpoint, pool_name
 from .metrics import RouterMetrics
 from .models import ModelCatalog
-from .pool import MemberStatistics, WorkerPool
+from .pool import WorkerPool
 from .routing import build_policy
-from .supervisor import Supervisor, SupervisorStatistics
+from .statistics import RouterStatistics
+from .supervisor import Supervisor
 
 if TYPE_CHECKING:
     from ..lora import LoraAdapter
     from ..request import DirectDeltas, GenerationEvent, GenerationRequest
-    from .actors import ActorStatistics
     from .models import ModelCard
 
 logger = logging.getLogger(__name__)
@@ -85,20 +84,6 @@ def default_backend_factory(endpoint: WorkerEndpoint, config: RouterConfig) -> M
     instead, so that its ``openai_http`` backends share their hand-off ledger.
     """
     return DefaultBackendFactory()(endpoint, config)
-
-
-native_backend_factory = default_backend_factory
-"""The former name of :func:`default_backend_factory`."""
-
-
-@dataclass(frozen=True, slots=True)
-class RouterStatistics:
-    """Everything the router counts, for /health and /metrics."""
-
-    supervisor: SupervisorStatistics
-    pools: dict[str, list[MemberStatistics]]
-    actors: dict[str, ActorStatistics]
-    """Both by pool name: the stage, or ``stage@model`` for a model other than the default."""
 
 
 class Router:

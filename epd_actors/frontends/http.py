@@ -34,12 +34,12 @@ import trio
 from ..logs import enable_access_log
 from ..openai.errors import ErrorResponse, HttpError, error_response
 from ..openai.format import error_body
-from ..openai.media import open_allowed_fetcher
 from .http_app import HttpApp, HttpSettings, RouterHttpApp
 from .http_connection import ROUTES, HttpConnection
+from .media_fetch import open_allowed_fetcher
 
 if TYPE_CHECKING:
-    from ..openai.media import MediaFetcher
+    from .media_fetch import MediaFetcher
 
 __all__ = [
     "ROUTES",

@@ -59,17 +59,18 @@ from ..logs import ACCESS_LOGGER
 from ..openai.body_checks import reject_lone_surrogates, unknown_model
 from ..openai.errors import HttpError, error_response
 from ..openai.format import AnswerBuilder, SseFormatter, error_body, unix_time
-from ..openai.media import resolve_media
 from ..openai.schema import ParsedRequest, parse_chat_completion, parse_completion
-from ..openai.sse import next_batch, render_batch
+from ..openai.sse import render_batch
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
 from ..transport.framed import send_some_nowait
+from .event_batches import next_batch
+from .media_fetch import resolve_media
 from .sse_direct import DirectSseWriter
 
 if TYPE_CHECKING:
-    from ..openai.media import MediaFetcher
     from ..request import GenerationEvent
     from .http_app import HttpApp, HttpSettings
+    from .media_fetch import MediaFetcher
 
 logger = logging.getLogger("epd_actors.frontends.http")
 access_logger = logging.getLogger(ACCESS_LOGGER)

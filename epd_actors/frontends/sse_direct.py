@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from ..openai.sse import next_batch, worth_a_chunk
+from ..openai.sse import worth_a_chunk
 from ..transport.framed import send_some_nowait
+from .event_batches import next_batch
 
 if TYPE_CHECKING:
     from collections.abc import Callable

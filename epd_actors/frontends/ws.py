@@ -63,9 +63,10 @@ from ..errors import ActorCrashed, ConfigError, EpdError, Overloaded, Unauthoriz
 from ..openai.body_checks import unknown_model
 from ..openai.errors import HttpError
 from ..openai.fields import STRICT_FIELDS, FieldPolicy
-from ..openai.media import MediaLimits, open_allowed_fetcher, resolve_media
+from ..openai.media import MediaLimits
 from ..openai.schema import parse_chat_completion, parse_completion
 from ..request import DeltaEvent, DoneEvent, ErrorEvent
+from .media_fetch import open_allowed_fetcher, resolve_media
 from .ws_messages import (
     PONG,
     CancelMessage,
@@ -86,9 +87,9 @@ if TYPE_CHECKING:
 
     from trio_websocket import WebSocketConnection, WebSocketRequest
 
-    from ..openai.media import MediaFetcher
     from ..openai.schema import ParsedRequest
     from ..request import GenerationEvent, GenerationRequest
+    from .media_fetch import MediaFetcher
 
 logger = logging.getLogger(__name__)
 

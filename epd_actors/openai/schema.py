@@ -20,7 +20,7 @@ for text, an ``int`` index into the request's media for each media part, so
 the template can put each item where the client put it.  Inline media
 (``data:`` URLs, ``input_audio``) is decoded here; remote and local references
 that :class:`~.media.MediaPolicy` allows stay :class:`~.media.PendingMedia`
-until the front end awaits :func:`~.media.resolve_media`.
+until the front end awaits :func:`~epd_actors.frontends.media_fetch.resolve_media`.
 
 The result is a :class:`ParsedRequest`: the generation request plus what the
 response needs (``stream``, ``include_usage``, ``model``, ``kind``,
@@ -154,7 +154,7 @@ class ParsedRequest:
 
     @property
     def pending(self) -> tuple[PendingMedia, ...]:
-        """Media references still to load with :func:`~.media.resolve_media`."""
+        """Media references the front end must still load (``resolve_media``)."""
         return pending_items(self.media)
 
     @property

@@ -1,20 +1,19 @@
-"""Server-sent events of one generation: batching what is queued, rendering it.
+"""Server-sent events of one generation: rendering a batch of events as SSE text.
 
 Per-token work decides a streaming front end's cost, so a response never
-writes per event: :func:`next_batch` waits for one event and takes every event
-already queued behind it without waiting, and :func:`render_batch` turns the
-batch into SSE text by templating (:class:`~.openai_format.SseFormatter`), to
-be written with one ``send_all``.  A batch ends at the final event:
-``DoneEvent`` renders the finish chunk, the usage chunk (when asked for), a
-``: timings ...`` comment and ``data: [DONE]``; ``ErrorEvent`` renders the
-timings comment and an ``error`` event, and no ``[DONE]``.
+writes per event: the front end takes every event already queued
+(:func:`epd_actors.frontends.event_batches.next_batch`), and
+:func:`render_batch` turns the batch into SSE text by templating
+(:class:`~.format.SseFormatter`), to be written with one ``send_all``.  A
+batch ends at the final event: ``DoneEvent`` renders the finish chunk, the
+usage chunk (when asked for), a ``: timings ...`` comment and ``data: [DONE]``;
+``ErrorEvent`` renders the timings comment and an ``error`` event, and no
+``[DONE]``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
-
-import trio
 
 from ..errors import ActorCrashed
 from ..request import DeltaEvent, DoneEvent, ErrorEvent, RequestTimings
@@ -30,28 +29,6 @@ if TYPE_CHECKING:
 _NO_TIMINGS: Final = RequestTimings(
     queue_wait_s=0.0, stages={}, ttft_s=None, total_s=0.0, workers={}
 )
-
-
-async def next_batch(
-    events: trio.MemoryReceiveChannel[GenerationEvent],
-) -> list[GenerationEvent]:
-    """One event (waiting for it) plus every event already queued behind it.
-
-    An empty list means the channel ended without a final event.
-
-    Cancellation: safe; nothing is lost that was not already taken.
-    Backpressure: waits only for the first event.
-    """
-    try:
-        batch = [await events.receive()]
-    except trio.EndOfChannel:
-        return []
-    while not isinstance(batch[-1], DoneEvent | ErrorEvent):
-        try:
-            batch.append(events.receive_nowait())
-        except (trio.WouldBlock, trio.EndOfChannel):
-            break
-    return batch
 
 
 def render_batch(

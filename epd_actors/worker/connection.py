@@ -1,6 +1,7 @@
 """One client connection of the worker runtime: handshake, reader/dispatcher, jobs, delta pump.
 
-:class:`~.runtime.WorkerServer` makes one ``_Connection`` per client stream;
+:class:`~.runtime.WorkerServer` makes one :class:`Connection` per client stream and
+hands it the worker's shared :class:`~.state.WorkerState`;
 the module docstring of :mod:`.runtime` describes how connections, jobs and
 drains fit together.
 """
@@ -46,13 +47,13 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from ..transport.framed import FramedStream
-    from .runtime import WorkerServer
+    from .engine import Engine
+    from .state import WorkerState
 
-# The runtime's logger: these records kept their name when this module was split off.
-logger = logging.getLogger("epd_actors.worker.runtime")
+logger = logging.getLogger(__name__)
 
 
-class _StopReason:
+class StopReason:
     """Why the runtime cancelled a job; decides what, if anything, is answered."""
 
     ABORT = "abort"
@@ -76,12 +77,18 @@ class _Job:
         self.scope.cancel(reason=f"job stopped: {reason}")
 
 
-class _Connection:
-    """One client connection: handshake, reader/dispatcher, and its jobs."""
+class Connection:
+    """One client connection: handshake, reader/dispatcher, and its jobs.
 
-    def __init__(self, server: WorkerServer, framed: FramedStream) -> None:
-        self.server = server
-        self.engine = server.engine
+    Args:
+        state: the worker's shared admission and counters.
+        engine: the engine doing the stage work.
+        framed: the connection's message stream.
+    """
+
+    def __init__(self, state: WorkerState, engine: Engine, framed: FramedStream) -> None:
+        self.state = state
+        self.engine = engine
         self.framed = framed
         self.jobs: dict[str, _Job] = {}
         self._nursery: trio.Nursery | None = None
@@ -97,30 +104,30 @@ class _Connection:
         }
 
     def __repr__(self) -> str:
-        return f"<_Connection peer={self.framed.peer} jobs={len(self.jobs)}>"
+        return f"<Connection peer={self.framed.peer} jobs={len(self.jobs)}>"
 
     async def run(self) -> None:
         if not await self._handshake():
             return
-        self.server._connections.add(self)
+        self.state.connections.add(self)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 try:
-                    if self.server.draining:
+                    if self.state.draining:
                         self.say_goodbye("draining")
                     with self._read_scope:
                         await self._read_loop()
-                    self.stop_jobs(_StopReason.DISCONNECT)
+                    self.stop_jobs(StopReason.DISCONNECT)
                 finally:
                     # From here on the nursery only winds down: nothing new may
                     # start in it (a drain that begins now has nobody to greet).
                     self._nursery = None
         finally:
-            self.server._connections.discard(self)
+            self.state.connections.discard(self)
 
     async def _handshake(self) -> bool:
-        config = self.server.config
+        config = self.state.config
         hello: Message | None = None
         with trio.move_on_after(config.handshake_timeout_s):
             try:
@@ -162,7 +169,7 @@ class _Connection:
 
     async def _refuse(self, code: str, message: str) -> None:
         logger.warning("refusing connection %s: %s", self.framed.peer, message)
-        self.server.protocol_errors_total += code == ErrorCode.PROTOCOL_ERROR
+        self.state.protocol_errors_total += code == ErrorCode.PROTOCOL_ERROR
         await self._send_quietly(ErrorReply("", code, message, retryable=False))
 
     async def _read_loop(self) -> None:
@@ -170,7 +177,7 @@ class _Connection:
             try:
                 message = await self.framed.receive()
             except RemoteProtocolError as exc:
-                self.server.protocol_errors_total += 1
+                self.state.protocol_errors_total += 1
                 logger.warning("protocol error from %s: %s", self.framed.peer, exc)
                 await self._send_quietly(ErrorReply("", ErrorCode.PROTOCOL_ERROR, str(exc)))
                 return
@@ -178,7 +185,7 @@ class _Connection:
                 return
             handler = self._handlers.get(type(message))
             if handler is None:
-                self.server.protocol_errors_total += 1
+                self.state.protocol_errors_total += 1
                 await self._send_quietly(
                     ErrorReply(
                         message.request_id,
@@ -199,24 +206,20 @@ class _Connection:
                     ErrorCode.DUPLICATE_REQUEST, f"request {request_id!r} is already running"
                 )
             check_options(request, self.engine)
-            self.server._admit()
+            self.state.admit()
         except EngineError as exc:
-            self.server.refused_total += 1
+            self.state.refused_total += 1
             self._spawn(self._send_quietly, _error_reply(request_id, exc))
             return
         job = _Job(request_id)
         self.jobs[request_id] = job
-        self.server._job_started()
         self._spawn(self._run_job, job, request)
-        # Counted as queued from admission, not from when its task first runs: several
-        # requests decoded from one read are admitted before any of their tasks starts.
-        self.server.queued += 1
 
     def _on_abort(self, message: Abort) -> None:
-        self.server.aborts_total += 1
+        self.state.aborts_total += 1
         job = self.jobs.get(message.request_id)
         if job is not None:
-            job.stop(_StopReason.ABORT)
+            job.stop(StopReason.ABORT)
         else:
             self._spawn(self._abort_idle, message.request_id)
 
@@ -224,7 +227,7 @@ class _Connection:
         self._spawn(self._release, message)
 
     def _on_ping(self, message: Ping) -> None:
-        config = self.server.config
+        config = self.state.config
         if config.heartbeat_drop:
             return
         self._spawn(self._pong, message.nonce, config.heartbeat_delay_s)
@@ -241,7 +244,8 @@ class _Connection:
     async def _pong(self, nonce: int, delay_s: float) -> None:
         if delay_s:
             await trio.sleep(delay_s)
-        await self._send_quietly(Pong(nonce, self.server.worker_stats()))
+        stats = self.state.worker_stats(engine_ready=self.engine.is_ready())
+        await self._send_quietly(Pong(nonce, stats))
 
     async def _abort_idle(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -264,18 +268,18 @@ class _Connection:
         finally:
             if self.jobs.get(job.request_id) is job:
                 del self.jobs[job.request_id]
-            self.server._job_finished()
+            self.state.job_finished()
             if job.stop_reason is not None or not finished:
                 with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
                     await self.engine.abort(job.request_id)
                     await self._answer_stop(job, finished)
-            if self.server.draining and not self.jobs:
+            if self.state.draining and not self.jobs:
                 self._read_scope.cancel(reason="worker drained this connection")
 
     async def _answer_stop(self, job: _Job, finished: bool) -> None:
-        if job.stop_reason == _StopReason.ABORT:
+        if job.stop_reason == StopReason.ABORT:
             await self._send_quietly(Aborted(job.request_id))
-        elif job.stop_reason == _StopReason.SHUTDOWN and not finished:
+        elif job.stop_reason == StopReason.SHUTDOWN and not finished:
             await self._send_quietly(
                 ErrorReply(
                     job.request_id,
@@ -287,17 +291,8 @@ class _Connection:
 
     async def _admitted(self, request: StageRequest) -> None:
         """Wait for a slot (counted in ``queued`` since admission), then run."""
-        server = self.server
-        try:
-            await self.server._limiter.acquire()
-        finally:
-            server.queued -= 1
-        server.running += 1
-        try:
+        async with self.state.slot():
             await self._execute(request)
-        finally:
-            server.running -= 1
-            self.server._limiter.release()
 
     async def _execute(self, request: StageRequest) -> None:
         request_id = request.request_id

@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 :class:`WorkerServer` accepts connections (``serve``) or is handed streams
 directly (``handle_stream``, which tests drive over memory streams).  Each
-connection is one ``_Connection`` (:mod:`.connection`):
+connection is one :class:`~.connection.Connection`, sharing the worker's
+:class:`~.state.WorkerState` (admission, counters, the drain flag):
 
 * a handshake (``Hello`` within ``handshake_timeout_s``; version and auth token
   checked; ``Welcome`` back);
@@ -33,65 +34,23 @@ let in-flight jobs finish for up to ``drain_timeout_s``, then cancel the rest.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
 
-from ..errors import ConnectionLost, EngineError
-from ..limits import CLEANUP_TIMEOUT_S, HANDSHAKE_TIMEOUT_S
-from ..protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode, WorkerStats
+from ..errors import ConnectionLost
+from ..limits import CLEANUP_TIMEOUT_S
 from ..transport.framed import FramedStream
-from .connection import _Connection, _StopReason
+from .connection import Connection, StopReason
+from .state import WorkerConfig, WorkerState, WorkerStatistics
+
+__all__ = ["WorkerConfig", "WorkerServer", "WorkerStatistics"]
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    """Settings of one worker process.
-
-    Attributes:
-        worker_id: announced in ``Welcome``; unique within a deployment.
-        auth_token: the token a client must present; ``None`` disables the
-            check (development only; the CLI insists on an explicit flag).
-        max_concurrency: stage requests running in the engine at once.
-        max_queued: requests allowed to wait for a slot before new ones are
-            refused with ``overloaded``.
-        drain_timeout_s: how long in-flight work may finish after a drain began.
-        handshake_timeout_s: how long a new connection has to send ``Hello``.
-        max_frame_bytes: frame limit in both directions.
-        heartbeat_delay_s: fault injection: delay every ``Pong`` by this much.
-        heartbeat_drop: fault injection: never answer ``Ping``.
-    """
-
-    worker_id: str
-    auth_token: str | None
-    max_concurrency: int = 64
-    max_queued: int = 256
-    drain_timeout_s: float = 30.0
-    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    heartbeat_delay_s: float = 0.0
-    heartbeat_drop: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerStatistics:
-    """A snapshot of the runtime's counters."""
-
-    connections: int
-    running: int
-    queued: int
-    draining: bool
-    requests_total: int
-    refused_total: int
-    aborts_total: int
-    protocol_errors_total: int
 
 
 class WorkerServer:
@@ -104,49 +63,28 @@ class WorkerServer:
 
     def __init__(self, engine: Engine, config: WorkerConfig) -> None:
         self.engine = engine
-        self.config = config
-        self._limiter = trio.CapacityLimiter(config.max_concurrency)
-        self._connections: set[_Connection] = set()
+        self.state = WorkerState(config)
         self._accept_scope: trio.CancelScope | None = None
-        self._draining = False
-        self._idle = trio.Event()
-        self.running = 0
-        self.queued = 0
-        self._jobs = 0
-        self.requests_total = 0
-        self.refused_total = 0
-        self.aborts_total = 0
-        self.protocol_errors_total = 0
 
     def __repr__(self) -> str:
         return f"<WorkerServer {self.config.worker_id} role={self.engine.role}>"
 
     @property
+    def config(self) -> WorkerConfig:
+        """The worker's settings; replacing them applies to the next connection's handshake."""
+        return self.state.config
+
+    @config.setter
+    def config(self, config: WorkerConfig) -> None:
+        self.state.config = config
+
+    @property
     def draining(self) -> bool:
-        return self._draining
+        return self.state.draining
 
     def statistics(self) -> WorkerStatistics:
         """Current counters (cheap; safe to call at any time)."""
-        return WorkerStatistics(
-            connections=len(self._connections),
-            running=self.running,
-            queued=self.queued,
-            draining=self._draining,
-            requests_total=self.requests_total,
-            refused_total=self.refused_total,
-            aborts_total=self.aborts_total,
-            protocol_errors_total=self.protocol_errors_total,
-        )
-
-    def worker_stats(self) -> WorkerStats:
-        """The load report carried by ``Pong``."""
-        return WorkerStats(
-            running=self.running,
-            queued=self.queued,
-            draining=self._draining,
-            engine_ready=self.engine.is_ready(),
-            aborts=self.aborts_total,
-        )
+        return self.state.statistics()
 
     async def serve(
         self,
@@ -164,7 +102,7 @@ class WorkerServer:
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as acceptors:
                 self._accept_scope = acceptors.cancel_scope
-                if self._draining:
+                if self.state.draining:
                     acceptors.cancel_scope.cancel(reason="worker draining")
                 handler = partial(self._handle_listener_stream)
                 bound = await acceptors.start(
@@ -181,13 +119,14 @@ class WorkerServer:
         rest (each answers ``ErrorReply(draining)``) and waits up to
         ``CLEANUP_TIMEOUT_S`` for their cleanup.
         """
-        if self._jobs:
+        state = self.state
+        if state.jobs:
             with trio.move_on_after(self.config.drain_timeout_s):
-                await self._idle.wait()
-        for connection in list(self._connections):
-            connection.stop_jobs(_StopReason.SHUTDOWN)
+                await state.idle.wait()
+        for connection in list(state.connections):
+            connection.stop_jobs(StopReason.SHUTDOWN)
         with trio.move_on_after(CLEANUP_TIMEOUT_S):
-            await self._idle.wait()
+            await state.idle.wait()
 
     async def _handle_listener_stream(self, stream: trio.SocketStream) -> None:
         peer = _describe_peer(stream)
@@ -199,15 +138,12 @@ class WorkerServer:
         In-flight jobs continue; ``serve`` returns once they finished or the
         drain deadline passed.  Idempotent.
         """
-        if self._draining:
+        if not self.state.begin_drain():
             return
         logger.info("worker %s draining: %s", self.config.worker_id, reason)
-        self._draining = True
-        if self._jobs == 0:
-            self._idle.set()
         if self._accept_scope is not None:
             self._accept_scope.cancel(reason="worker draining")
-        for connection in list(self._connections):
+        for connection in list(self.state.connections):
             connection.say_goodbye(reason)
 
     async def handle_stream(self, stream: trio.abc.Stream, *, peer: str = "?") -> None:
@@ -217,7 +153,7 @@ class WorkerServer:
         are logged and end it; ``EngineCrashed`` propagates.
         """
         framed = FramedStream(stream, max_frame_bytes=self.config.max_frame_bytes, peer=peer)
-        connection = _Connection(self, framed)
+        connection = Connection(self.state, self.engine, framed)
         try:
             await connection.run()
         except* ConnectionLost as group:
@@ -225,27 +161,6 @@ class WorkerServer:
         finally:
             with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
                 await framed.aclose()
-
-    # -- bookkeeping used by connections
-
-    def _admit(self) -> None:
-        """Refuse a new stage request when draining or full (raises EngineError)."""
-        if self._draining:
-            raise EngineError(ErrorCode.DRAINING, "worker is draining", retryable=True)
-        limit = self.config.max_concurrency + self.config.max_queued
-        if self.running + self.queued >= limit:
-            raise EngineError(
-                ErrorCode.OVERLOADED, f"worker is full ({limit} requests)", retryable=True
-            )
-
-    def _job_started(self) -> None:
-        self._jobs += 1
-        self.requests_total += 1
-
-    def _job_finished(self) -> None:
-        self._jobs -= 1
-        if self._draining and self._jobs == 0:
-            self._idle.set()
 
 
 def _describe_peer(stream: trio.SocketStream) -> str:

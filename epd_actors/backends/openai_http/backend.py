@@ -141,7 +141,6 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
     from types import TracebackType
 
-    from ...core.config import RouterConfig, WorkerEndpoint
     from ...lora import LoraAdapter
     from ...protocol import Delta, GenerateRequest, PrefillRequest
 
@@ -990,22 +989,23 @@ class OpenAIHttpBackendFactory:
         self.settings = settings
         self.ledger = HandoffLedger(capacity=settings.ledger_capacity, lease_s=settings.kv_lease_s)
 
-    def __call__(self, endpoint: WorkerEndpoint, config: RouterConfig) -> OpenAIHttpBackend:
-        """Build the backend of ``endpoint``.
+    def build(self, worker_id: str, address: str, *, model: str, stage: str) -> OpenAIHttpBackend:
+        """Build the backend of the worker ``worker_id`` at ``address``.
+
+        Args:
+            model: the model its pool serves.
+            stage: its pool's stage, or "" for a worker in no pool yet.
 
         Raises:
             ConfigError: the address is not an ``http(s)://`` URL (a worker
                 added at run time has not been validated with the config).
         """
-        check_http_url(endpoint.address, key=f"worker {endpoint.worker_id!r} address")
-        pool = next((p for p in config.pools if endpoint in p.workers), None)
-        stage = "" if pool is None else pool.stage
-        backend = OpenAIHttpBackend(
-            endpoint.worker_id,
-            endpoint.address,
-            model=config.model if pool is None else config.pool_model(pool),
+        check_http_url(address, key=f"worker {worker_id!r} address")
+        return OpenAIHttpBackend(
+            worker_id,
+            address,
+            model=model,
             settings=self.settings,
             ledger=self.ledger,
             stage=stage,
         )
-        return backend
