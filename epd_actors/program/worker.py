@@ -24,6 +24,7 @@ from ..errors import ConfigError, EngineCrashed
 from ..protocol import Role
 from ..simulator.cli import add_sim_arguments, sim_config_from_args, sim_stores_from_args
 from ..simulator.engine import SimEngine
+from ..simulator.kv_events import sim_worker_kv_events
 from ..simulator.openai_server import SimOpenAIServer, serve_openai_process
 from ..worker.engines.vllm_args import add_vllm_arguments
 from ..worker.metrics_http import serve_metrics
@@ -266,11 +267,13 @@ async def _drain_on_signal(server: WorkerServer, signals: AsyncIterator[int]) ->
 def _run_sim_worker(args: argparse.Namespace) -> None:
     """Build the simulated engine and serve the native protocol (``--engine sim``)."""
     server = build_worker(args)
-    trio.run(
-        functools.partial(
-            serve_worker_process, server, args.listen, metrics_listen=args.metrics_listen
+    assert isinstance(server.engine, SimEngine)
+    with sim_worker_kv_events(server.engine):
+        trio.run(
+            functools.partial(
+                serve_worker_process, server, args.listen, metrics_listen=args.metrics_listen
+            )
         )
-    )
 
 
 ENGINE_RUNNERS: dict[str, Callable[[argparse.Namespace], None]] = {

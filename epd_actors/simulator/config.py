@@ -111,6 +111,22 @@ def _any_int(value: object) -> str | None:
     return None if type(value) is int else f"must be an integer (got {value!r})"
 
 
+def _text(value: object) -> str | None:
+    return None if isinstance(value, str) else f"must be text (got {value!r})"
+
+
+def _optional_text(value: object) -> str | None:
+    return None if value is None or isinstance(value, str) else f"must be text (got {value!r})"
+
+
+def _parse_optional_text(text: str) -> str | None:
+    return None if text.lower() in {"off", "none"} else text
+
+
+def _address(doc: str) -> KnobSpec:
+    return KnobSpec(doc + " (off = none)", _parse_optional_text, _optional_text, "ADDRESS|off")
+
+
 _EC_MODES: Final = ("strict", "recompute")
 
 
@@ -182,6 +198,40 @@ class SimConfig:
     )
     crash_on_request: int | None = _knob(
         None, _ints_or_off("crash the engine when its Nth stage request arrives", 1)
+    )
+    prefix_cache_blocks: int = _knob(
+        0,
+        _ints(
+            "KV blocks of each P/PD engine's prefix cache (LRU); prefill time is spent on "
+            "the uncached tokens only; 0 = no prefix cache",
+            0,
+        ),
+    )
+    prefix_block_size: int = _knob(16, _ints("tokens per prefix-cache block", 1))
+    prefix_hash_seed: int | None = _knob(
+        None, _ints_or_off("seed of the engine's block hashes; off = random per engine", 0)
+    )
+    kv_events_endpoint: str | None = _knob(
+        None,
+        _address(
+            "publish KV cache events (vLLM's wire format, ZMQ PUB) on this address, "
+            "e.g. tcp://127.0.0.1:5557; needs prefix_cache_blocks"
+        ),
+    )
+    kv_events_replay_endpoint: str | None = _knob(
+        None, _address("serve KV event replay (ZMQ ROUTER) on this address")
+    )
+    kv_events_encoding: str = _knob(
+        "map",
+        KnobSpec(
+            "KV event encoding: map = vLLM after PR #42892, array = vLLM before it",
+            str,
+            _one_of("map", "array"),
+            "{map,array}",
+        ),
+    )
+    kv_events_topic: str = _knob(
+        "", KnobSpec("topic frame of every KV event message", str, _text, "TOPIC")
     )
     fault_seed: int = _knob(
         0, KnobSpec("seed of the fault RNG (mixed with the worker id)", int, _any_int, "N")

@@ -63,6 +63,7 @@ from ..protocol import (
     Usage,
 )
 from .config import Knob, KnobSpec, SimConfig, sim_knobs
+from .prefix_cache import SimPrefixCache, prompt_token_ids
 from .store import SAFE_KEY, EncoderCacheEntry, KVEntry, is_safe_key
 from .text import (
     MAX_ALTERNATIVES,
@@ -296,6 +297,16 @@ class SimEngine:
         self._in_flight = 0
         self._crashed = False
         self._wedged = False
+        # The prefix cache of a role that prefills (prefix_cache_blocks > 0); set its sink.
+        traits = ROLE_TRAITS[self.role]
+        prefills = traits.serves("prefill") or (traits.serves("generate") and not traits.takes_kv)
+        self.prefix_cache: SimPrefixCache | None = None
+        if config.prefix_cache_blocks and prefills:
+            self.prefix_cache = SimPrefixCache(
+                block_size=config.prefix_block_size,
+                capacity_blocks=config.prefix_cache_blocks,
+                hash_seed=config.prefix_hash_seed,
+            )
 
     def __repr__(self) -> str:
         state = "crashed" if self._crashed else f"in_flight={self._in_flight}"
@@ -372,7 +383,7 @@ class SimEngine:
             encode_s = await self._load_encoder_outputs(items)
             handle = self._create_handle(request.request_id, digest, tokens)
             begun = trio.current_time()
-            await _pause(tokens * self.config.prefill_token_s)
+            await self._prefill_time(request.prompt, request.media, tokens, request.lora_adapter)
             self._check_alive()
             now = trio.current_time()
             return StageResult(
@@ -420,7 +431,9 @@ class SimEngine:
                 prompt_tokens = self._prompt_tokens(request.prompt, request.media)
                 timings["encode_s"] = await self._load_encoder_outputs(items)
                 begun = trio.current_time()
-                await _pause(prompt_tokens * self.config.prefill_token_s)
+                await self._prefill_time(
+                    request.prompt, request.media, prompt_tokens, request.lora_adapter
+                )
                 self._check_alive()
                 timings["prefill_s"] = trio.current_time() - begun
             await self._stream(request, emit, digest, prompt_tokens, start, timings)
@@ -547,6 +560,20 @@ class SimEngine:
                 f"{self.config.max_model_len} tokens",
             )
         return tokens
+
+    async def _prefill_time(
+        self, prompt: Prompt, media: tuple[MediaItem, ...], tokens: int, lora: str | None
+    ) -> None:
+        """Spend the prefill time of the tokens the prefix cache lacks, then cache the blocks."""
+        cache = self.prefix_cache
+        if cache is None:
+            await _pause(tokens * self.config.prefill_token_s)
+            return
+        ids = prompt_token_ids(prompt, media, self.config.media_tokens_per_item)
+        hit = cache.begin(ids, lora)
+        await _pause((tokens - hit) * self.config.prefill_token_s)
+        self._check_alive()
+        cache.store(ids, lora_name=lora)
 
     def _output_limit(self, max_tokens: int | None, prompt_tokens: int) -> int:
         """How many tokens a stream may produce: ``max_tokens``, else the rest of the context."""
