@@ -15,6 +15,7 @@ from .backends.kinds import backend_kind
 from .backends.native_settings import NativeSettings
 from .backends.openai_http_settings import OpenAIHttpSettings
 from .errors import ConfigError
+from .fleet.settings import SharedSettings
 from .health import HealthPolicy
 from .limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS
 from .retry import RetryPolicy
@@ -183,6 +184,8 @@ class RouterConfig:
         native: connections to native workers (heartbeats, reconnects, buffers).
         openai_http: connections to stock ``vllm serve`` workers (timeouts,
             pools, health probes, the KV release policy).
+        shared: the state this router shares with its replicas through Redis
+            (off by default; ``epd_actors.fleet``).
     """
 
     pools: tuple[PoolConfig, ...]
@@ -196,6 +199,7 @@ class RouterConfig:
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     native: NativeSettings = field(default_factory=NativeSettings)
     openai_http: OpenAIHttpSettings = field(default_factory=OpenAIHttpSettings)
+    shared: SharedSettings = field(default_factory=SharedSettings)
 
     def __post_init__(self) -> None:
         validate(self)

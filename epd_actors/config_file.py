@@ -35,6 +35,7 @@ from .config import (
     WorkerEndpoint,
 )
 from .errors import ConfigError
+from .fleet.settings import SharedSettings
 from .frontends.http_app import HttpSettings
 from .frontends.media import MediaLimits, MediaPolicy
 from .frontends.openai_fields import UNKNOWN_FIELD_CHOICES, FieldPolicy
@@ -230,6 +231,9 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     openai_http_table = top.table("openai_http")
     api_key = openai_http_table.secret("api_key", env)
     openai_http = read_settings(openai_http_table, OpenAIHttpSettings, api_key=api_key)
+    shared_table = top.table("shared")
+    redis_url = shared_table.secret("redis_url", env) or ""
+    shared = read_settings(shared_table, SharedSettings, redis_url=redis_url)
     pools = _pools(top)
     models = tuple(_model(table) for table in top.tables("models"))
     top.done()
@@ -245,6 +249,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
         admission=admission,
         native=native,
         openai_http=openai_http,
+        shared=shared,
     )
     return FileConfig(router, server)
 
