@@ -93,12 +93,16 @@ def busy_workers(router: Router) -> dict[str, int]:
 @asynccontextmanager
 async def held(router: Router, tag: str) -> AsyncIterator[str]:
     """Start a long request on ``router``; yield the worker it runs on; cancel it on exit."""
-    before = busy_workers(router)
+    before = served(router)
     async with router.generate(long_request(tag)) as events:
         await events.receive()  # its first token: the worker is leased
-        after = busy_workers(router)
+        after = served(router)
         (worker,) = [w for w, n in after.items() if n > before.get(w, 0)]
         yield worker
+
+
+def served(router: Router) -> dict[str, int]:
+    return {m.worker_id: m.served for m in router.pools["pd"].members}
 
 
 async def short_request(router: Router, tag: str) -> bool:
