@@ -163,10 +163,11 @@ def test_every_settable_key_is_documented() -> None:
     assert "`api_key` /" in docs
     from epd_actors.backends.native.settings import NativeSettings
     from epd_actors.backends.openai_http.settings import OpenAIHttpSettings
+    from epd_actors.core.fleet.settings import SharedSettings
 
     classes = (
         ActorLimits, AdmissionLimits, Deadlines, HttpSettings, MediaLimits, WsSettings,
-        HealthPolicy, RetryPolicy, NativeSettings, OpenAIHttpSettings,
+        HealthPolicy, RetryPolicy, NativeSettings, OpenAIHttpSettings, SharedSettings,
     )  # fmt: skip
     missing = [
         f"{cls.__name__}.{f.name}"

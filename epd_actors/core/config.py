@@ -14,6 +14,7 @@ from ..backends.native.settings import NativeSettings
 from ..backends.openai_http.settings import OpenAIHttpSettings
 from ..errors import ConfigError
 from ..limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS
+from .fleet.settings import SharedSettings
 from .health import HealthPolicy
 from .retry import RetryPolicy
 from .routing import build_policy
@@ -208,6 +209,8 @@ class RouterConfig:
         native: connections to native workers (heartbeats, reconnects, buffers).
         openai_http: connections to stock ``vllm serve`` workers (timeouts,
             pools, health probes, the KV release policy).
+        shared: the state this router shares with its replicas through Redis
+            (off by default; ``epd_actors.core.fleet``).
     """
 
     pools: tuple[PoolConfig, ...]
@@ -221,6 +224,7 @@ class RouterConfig:
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     native: NativeSettings = field(default_factory=NativeSettings)
     openai_http: OpenAIHttpSettings = field(default_factory=OpenAIHttpSettings)
+    shared: SharedSettings = field(default_factory=SharedSettings)
 
     def __post_init__(self) -> None:
         validate(self)

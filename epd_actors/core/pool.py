@@ -53,7 +53,7 @@ from .health import CircuitBreaker, HealthPolicy
 from .routing import Candidate, Policy, RouteKey
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
 
     from ..backends.base import BackendStatus, StageBackend
     from ..errors import EpdError
@@ -191,6 +191,9 @@ class WorkerPool:
         self.requirement = requirement or WorkerRequirement(stage)
         self._members: dict[str, PoolMember] = {}
         self._slot_freed = trio.lowlevel.ParkingLot()
+        self.remote_in_flight: Mapping[str, int] = {}
+        """Other routers' jobs in flight per worker id (``epd_actors.core.fleet``), added
+        to each candidate's ``in_flight`` for the policy; the limits stay local."""
 
     def __repr__(self) -> str:
         return f"<WorkerPool {self.name} members={len(self._members)}>"
@@ -293,7 +296,11 @@ class WorkerPool:
             return None
         if key.adapter is not None:
             open_members = _preferring_adapter(open_members, key.adapter)
-        candidates = [Candidate(m.worker_id, m.in_flight) for m in open_members.values()]
+        remote = self.remote_in_flight
+        candidates = [
+            Candidate(m.worker_id, m.in_flight + remote.get(m.worker_id, 0))
+            for m in open_members.values()
+        ]
         choice = self.policy.choose(candidates, key)
         assert choice is not None, "a policy returns None only for no candidates"
         member = open_members[choice.worker_id]

@@ -33,6 +33,9 @@ from ..errors import ConfigError, NoHealthyWorker
 from .actors import STAGE_ACTORS, stage_policy
 from .backend_kinds import backend_kind
 from .config import PoolConfig, RouterConfig, WorkerEndpoint, pool_name
+from .fleet.changes import WorkerChange
+from .fleet.store import open_store
+from .fleet.sync import FleetSync
 from .metrics import RouterMetrics
 from .models import ModelCatalog
 from .pool import WorkerPool
@@ -43,6 +46,7 @@ from .supervisor import Supervisor
 if TYPE_CHECKING:
     from ..lora import LoraAdapter
     from ..request import DirectDeltas, GenerationEvent, GenerationRequest
+    from .fleet.state import FleetStore
     from .models import ModelCard
 
 logger = logging.getLogger(__name__)
@@ -106,6 +110,10 @@ class Router:
         self._backend_factory = backend_factory
         self.backends: dict[str, ManagedBackend] = {}
         self._backend_scopes: dict[str, trio.CancelScope] = {}
+        self.on_worker_change: Callable[[WorkerChange], None] | None = None
+        """Told of each operator change made here (``origin`` None), to share it."""
+        self.fleet: FleetSync | None = None
+        """The replicas' shared state, when ``[shared]`` names a store."""
 
     def __repr__(self) -> str:
         return f"<Router topology={'+'.join(self.supervisor.topology)}>"
@@ -142,7 +150,12 @@ class Router:
                     nursery.start_soon(_first_ready, backend, nursery.cancel_scope)
 
     async def add_worker(
-        self, stage: str, endpoint: WorkerEndpoint, *, model: str | None = None
+        self,
+        stage: str,
+        endpoint: WorkerEndpoint,
+        *,
+        model: str | None = None,
+        origin: str | None = None,
     ) -> None:
         """Add a worker to a running router (its connection starts at once).
 
@@ -150,6 +163,9 @@ class Router:
             stage: the stage of the pool it joins.
             endpoint: the worker.
             model: the model of the pool it joins (default: the router's model).
+            origin: the replica whose change this applies (None: a change made
+                here, which ``on_worker_change`` shares; the same for drain
+                and remove).
 
         Raises:
             ConfigError: no pool of that stage and model, or a duplicate worker id.
@@ -165,8 +181,15 @@ class Router:
         self._backend_scopes[endpoint.worker_id] = scope
         self.backends[endpoint.worker_id] = backend
         pool.add(backend)
+        address, kind = endpoint.address, endpoint.backend
+        change = WorkerChange("add", endpoint.worker_id, stage, served, address, kind)
+        self._changed(change, origin)
 
-    def drain_worker(self, worker_id: str) -> None:
+    def _changed(self, change: WorkerChange, origin: str | None) -> None:
+        if origin is None and self.on_worker_change is not None:
+            self.on_worker_change(change)
+
+    def drain_worker(self, worker_id: str, *, origin: str | None = None) -> None:
         """Send the worker no new jobs; its in-flight jobs finish normally.
 
         Raises:
@@ -176,10 +199,11 @@ class Router:
             if pool.get(worker_id) is not None:
                 pool.drain(worker_id)
                 logger.info("worker %s drained by an operator", worker_id)
+                self._changed(WorkerChange("drain", worker_id), origin)
                 return
         raise ConfigError(f"unknown worker {worker_id!r}")
 
-    def remove_worker(self, worker_id: str) -> None:
+    def remove_worker(self, worker_id: str, *, origin: str | None = None) -> None:
         """Remove a worker; its in-flight jobs are cancelled with its connection.
 
         Raises:
@@ -190,6 +214,7 @@ class Router:
                 pool.remove(worker_id)
                 del self.backends[worker_id]
                 self._backend_scopes.pop(worker_id).cancel(reason="worker removed")
+                self._changed(WorkerChange("remove", worker_id), origin)
                 return
         raise ConfigError(f"unknown worker {worker_id!r}")
 
@@ -269,7 +294,10 @@ def worker_requirement(
 
 @asynccontextmanager
 async def open_router(
-    config: RouterConfig, *, backend_factory: BackendFactory | None = None
+    config: RouterConfig,
+    *,
+    backend_factory: BackendFactory | None = None,
+    fleet_store: FleetStore | None = None,
 ) -> AsyncIterator[Router]:
     """Start a router for ``config``; stop it when the block exits.
 
@@ -277,6 +305,9 @@ async def open_router(
         config: pools, workers, deadlines and limits.
         backend_factory: builds a backend per worker (default: a
             :class:`DefaultBackendFactory`, by each worker's ``backend`` kind).
+        fleet_store: where this router shares state with its replicas
+            (default: ``config.shared``'s Redis, or nothing when it names none);
+            see :mod:`epd_actors.core.fleet`.
 
     Cancellation: leaving the block cancels every request and connection;
     workers are told to abort within shielded, bounded cleanups.
@@ -301,6 +332,9 @@ async def open_router(
                 for endpoint in pool.workers:
                     await router.add_worker(pool.stage, endpoint, model=pool.model)
             await nursery.start(supervisor.run)
+            store = fleet_store if fleet_store is not None else open_store(config.shared)
+            if store is not None:
+                await nursery.start(FleetSync(router, store, config.shared).run)
             try:
                 yield router
             finally:

@@ -207,6 +207,10 @@ class Supervisor:
         self.retry = retry or RetryPolicy()
         self._rng = rng or random.Random()
         self.admission = admission or AdmissionLimits()
+        self.fleet_admission: AdmissionLimits | None = None
+        """The fleet-wide limit (``[shared] max_requests_in_flight``), if any: it counts
+        this router's requests plus ``remote_requests_in_flight`` (``epd_actors.core.fleet``)."""
+        self.remote_requests_in_flight = 0
         self.requests_refused = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -405,10 +409,18 @@ class Supervisor:
         """An immediate ``Overloaded`` when the router is at its in-flight limit."""
         limit = self.admission.limit_for(request.priority)
         if self.requests_in_flight < limit:
-            return None
+            fleet = self.fleet_admission
+            if fleet is None:
+                return None
+            limit = fleet.limit_for(request.priority)
+            if self.requests_in_flight + self.remote_requests_in_flight < limit:
+                return None
+            who = "the fleet is"
+        else:
+            who = "the router is"
         self.requests_refused += 1
         error = Overloaded(
-            f"the router is serving its limit of {limit} {request.priority}-priority requests",
+            f"{who} serving its limit of {limit} {request.priority}-priority requests",
             retry_after=self.admission.retry_after_s,
         )
         logger.info("request %s refused: %s", request.request_id, error)

@@ -10,7 +10,11 @@ GET      /admin/workers                   every pool's workers and their state
 POST     /admin/workers                   add ``{"stage", "id", "address", "backend"}``
 POST     /admin/workers/{id}/drain        no new jobs to that worker; in-flight finish
 DELETE   /admin/workers/{id}              remove it (its in-flight jobs are cancelled)
+GET      /admin/routers                   the live router replicas (``[shared]``)
 =======  ===============================  ==========================================
+
+With ``[shared]`` configured, adding, draining and removing reach the other
+replicas too (``epd_actors.core.fleet``).
 
 Errors answer ``{"error": {"message", "type"}}`` with 400 (bad body), 404
 (unknown worker or route) or 405.
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from ..core.backend_kinds import backend_kind_names
 from ..core.config import WorkerEndpoint
+from ..core.fleet.view import fleet_view
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
     from ..core.router import Router
 
 WORKERS = "/admin/workers"
+ROUTERS = "/admin/routers"
 
 
 def _error(status: int, message: str) -> tuple[int, object]:
@@ -52,6 +58,8 @@ class RouterAdmin:
             if method == "POST":
                 return await self._add(body)
             return _error(405, f"{method} is not allowed on {path}")
+        if path == ROUTERS and method == "GET":
+            return 200, fleet_view(self.router.fleet)
         if path.startswith(WORKERS + "/"):
             rest = path[len(WORKERS) + 1 :]
             worker_id, _, action = rest.partition("/")

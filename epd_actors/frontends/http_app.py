@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
 
+from ..core.fleet.view import fleet_view
 from ..openai.fields import STRICT_FIELDS, FieldPolicy
 from ..openai.media import MediaLimits
 
@@ -174,6 +175,8 @@ class RouterHttpApp:
             "requests_in_flight": stats.supervisor.requests_in_flight,
             "pools": pools,
         }
+        if self.router.fleet is not None:
+            body["fleet"] = fleet_view(self.router.fleet)
         return (200 if status == "ok" else 503), body
 
     def metrics(self) -> str | bytes:

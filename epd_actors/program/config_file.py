@@ -34,6 +34,7 @@ from ..core.config import (
     RouterConfig,
     WorkerEndpoint,
 )
+from ..core.fleet.settings import SharedSettings
 from ..core.health import HealthPolicy
 from ..core.retry import RetryPolicy
 from ..errors import ConfigError
@@ -230,6 +231,9 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     openai_http_table = top.table("openai_http")
     api_key = openai_http_table.secret("api_key", env)
     openai_http = read_settings(openai_http_table, OpenAIHttpSettings, api_key=api_key)
+    shared_table = top.table("shared")
+    redis_url = shared_table.secret("redis_url", env) or ""
+    shared = read_settings(shared_table, SharedSettings, redis_url=redis_url)
     pools = _pools(top)
     models = tuple(_model(table) for table in top.tables("models"))
     top.done()
@@ -245,6 +249,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
         admission=admission,
         native=native,
         openai_http=openai_http,
+        shared=shared,
     )
     return FileConfig(router, server)
 
