@@ -1,11 +1,26 @@
-"""E: encode each distinct media item once, on the encoder its content hash prefers."""
+"""E: encode each distinct media item once, on the encoder its content hash prefers.
+
+With its pool's encoder-output reuse on (``EncoderReuse``, an
+:class:`~epd_actors.encoder_cache.EncoderCache` attached by the supervisor),
+an item is encoded once across requests as well: :meth:`EncodeActor.recall`
+hands P/PD the ``ec_transfer_params`` remembered for an item whose entry is
+still trusted and runs no job for it; every encode job's answer is
+remembered.  When a later stage refuses with ``missing_encoder_cache``,
+:meth:`EncodeActor.redo` forgets the remembered items the refusal names (all
+of this request's remembered items when it names none) and returns them, so
+the supervisor encodes exactly those again and retries the stage once.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import trio
+
+from ..encoder_cache import missing_hashes
+from ..errors import RemoteWorkerError
 from ..lifecycle import Phase
-from ..protocol import EncodeRequest, Role
+from ..protocol import EncodeRequest, ErrorCode, Role
 from ..routing import RouteKey
 from .base import BaseActor
 from .jobs import Job, StageContext, StageOutput
@@ -14,6 +29,8 @@ from .registry import register_stage
 if TYPE_CHECKING:
     from ..backends.base import StageBackend
     from ..config import Deadlines
+    from ..encoder_cache import EncoderCache
+    from ..errors import EpdError
     from ..request import GenerationRequest
 
 
@@ -26,6 +43,11 @@ class EncodeActor(BaseActor):
     default_policy = "consistent_hash"  # the media hash: an item goes back to its encoder cache
     phase = Phase.ENCODING
     order = 10
+
+    encoder_cache: EncoderCache | None = None  # set per actor by use_encoder_cache
+
+    def use_encoder_cache(self, cache: EncoderCache) -> None:
+        self.encoder_cache = cache
 
     @classmethod
     def attempt_timeout(cls, deadlines: Deadlines) -> float:
@@ -42,6 +64,47 @@ class EncodeActor(BaseActor):
             first_index.setdefault(item.content_hash, index)
         return list(first_index.values())
 
+    def recall(self, context: StageContext, items: list[int | None]) -> list[int | None]:
+        """Fold the remembered params of trusted entries into ``context``; the rest to encode."""
+        cache = self.encoder_cache
+        if cache is None or not cache.reuse.enabled:
+            return items
+        now = trio.current_time()
+        media = context.request.media
+        pending: list[int | None] = []
+        for index in items:
+            assert index is not None, "encode jobs always cover one media item"
+            content_hash = media[index].content_hash
+            entry = cache.recall(content_hash, now, reachable=self._reachable)
+            if entry is None:
+                pending.append(index)
+                continue
+            context.absorb(StageOutput(ec_transfer_params=entry.ec_transfer_params))
+            context.recalled.add(content_hash)
+        return pending
+
+    def redo(self, context: StageContext, error: EpdError) -> list[int | None]:
+        """The remembered items a ``missing_encoder_cache`` refusal names, forgotten; else none."""
+        cache = self.encoder_cache
+        if cache is None or not context.recalled:
+            return []
+        if not isinstance(error, RemoteWorkerError):
+            return []
+        if error.code != ErrorCode.MISSING_ENCODER_CACHE:
+            return []
+        gone = set(missing_hashes(error.detail, sorted(context.recalled)))
+        cache.found_missing(gone)
+        context.recalled -= gone
+        first_index: dict[str, int] = {}
+        for index, item in enumerate(context.request.media):
+            if item.content_hash in gone:
+                first_index.setdefault(item.content_hash, index)
+        return list(first_index.values())
+
+    def _reachable(self, worker_id: str) -> bool:
+        member = self.pool.get(worker_id)
+        return member is not None and member.reachable()
+
     def route_key(self, job: Job) -> RouteKey:
         item = job.context.request.media[_index(job)]
         return RouteKey(job.request_id, item.content_hash)
@@ -50,6 +113,14 @@ class EncodeActor(BaseActor):
         index = _index(job)
         item = job.context.request.media[index]
         result = await backend.run_stage(EncodeRequest(f"{job.request_id}:{index}", (item,)))
+        if self.encoder_cache is not None:
+            self.encoder_cache.remember(
+                item.content_hash,
+                backend.worker_id,
+                result.ec_transfer_params,
+                len(item.data),
+                trio.current_time(),
+            )
         await job.reply.send(StageOutput(ec_transfer_params=result.ec_transfer_params))
 
 
