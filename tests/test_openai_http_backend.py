@@ -639,7 +639,9 @@ async def test_a_4xx_fails_the_request_without_retrying() -> None:
         assert isinstance(done, ErrorEvent)
         error = done.error
         assert isinstance(error, RemoteWorkerError)
-        assert (error.code, error.retryable) == (ErrorCode.INVALID_REQUEST, False)
+        # The code the worker gave is kept (as over the native protocol), so
+        # a router that reused an encoder output knows to encode it again.
+        assert (error.code, error.retryable) == (ErrorCode.MISSING_ENCODER_CACHE, False)
         assert "encoder-cache" in error.detail
         assert "400" in error.detail
         assert len(fleet.stage_log("prefill")) == 1
