@@ -6,6 +6,7 @@ import hashlib
 
 import pytest
 
+from epd_actors.actors.encode import memory_key
 from epd_actors.encoder_cache import (
     HASH_PREFIX,
     EncoderCache,
@@ -13,6 +14,7 @@ from epd_actors.encoder_cache import (
     missing_hashes,
 )
 from epd_actors.errors import ConfigError
+from epd_actors.protocol import MediaItem
 
 TTL = EncoderReuse(mode="ttl", ttl_s=10.0)
 
@@ -152,3 +154,16 @@ def test_a_refusal_names_the_missing_hashes_by_prefix() -> None:
 def test_a_refusal_that_names_none_means_every_remembered_item() -> None:
     remembered = [h(2), h(1), h(2)]
     assert missing_hashes("encoder output not found", remembered) == [h(2), h(1)]
+
+
+def test_an_item_is_remembered_under_its_processing_options() -> None:
+    item = MediaItem.from_bytes(b"frames" * 8, "video/mp4")
+    plain = memory_key(item, None)
+    assert plain == memory_key(item, {"frequency_penalty": 0.5}) == item.content_hash
+    four = memory_key(item, {"media_io_kwargs": {"video": {"num_frames": 4}}})
+    eight = memory_key(item, {"media_io_kwargs": {"video": {"num_frames": 8}}})
+    assert len({plain, four, eight}) == 3
+    assert four.startswith(item.content_hash)  # refusals name items by hash prefix
+    both = {"mm_processor_kwargs": {"fps": 1, "max_pixels": 4}, "media_io_kwargs": {}}
+    reordered = {"media_io_kwargs": {}, "mm_processor_kwargs": {"max_pixels": 4, "fps": 1}}
+    assert memory_key(item, both) == memory_key(item, reordered)

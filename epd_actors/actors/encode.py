@@ -13,7 +13,9 @@ the supervisor encodes exactly those again and retries the stage once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import hashlib
+import json
+from typing import TYPE_CHECKING, Final
 
 import trio
 
@@ -27,10 +29,13 @@ from .jobs import Job, StageContext, StageOutput
 from .registry import register_stage
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ..backends.base import StageBackend
     from ..config import Deadlines
     from ..encoder_cache import EncoderCache
     from ..errors import EpdError
+    from ..protocol import MediaItem
     from ..request import GenerationRequest
 
 
@@ -74,13 +79,13 @@ class EncodeActor(BaseActor):
         pending: list[int | None] = []
         for index in items:
             assert index is not None, "encode jobs always cover one media item"
-            content_hash = media[index].content_hash
-            entry = cache.recall(content_hash, now, reachable=self._reachable)
+            key = memory_key(media[index], context.request.options)
+            entry = cache.recall(key, now, reachable=self._reachable)
             if entry is None:
                 pending.append(index)
                 continue
             context.absorb(StageOutput(ec_transfer_params=entry.ec_transfer_params))
-            context.recalled.add(content_hash)
+            context.recalled.add(key)
         return pending
 
     def redo(self, context: StageContext, error: EpdError) -> list[int | None]:
@@ -96,9 +101,11 @@ class EncodeActor(BaseActor):
         cache.found_missing(gone)
         context.recalled -= gone
         first_index: dict[str, int] = {}
+        options = context.request.options
         for index, item in enumerate(context.request.media):
-            if item.content_hash in gone:
-                first_index.setdefault(item.content_hash, index)
+            key = memory_key(item, options)
+            if key in gone:
+                first_index.setdefault(key, index)
         return list(first_index.values())
 
     def _reachable(self, worker_id: str) -> bool:
@@ -115,13 +122,32 @@ class EncodeActor(BaseActor):
         result = await backend.run_stage(EncodeRequest(f"{job.request_id}:{index}", (item,)))
         if self.encoder_cache is not None:
             self.encoder_cache.remember(
-                item.content_hash,
+                memory_key(item, job.context.request.options),
                 backend.worker_id,
                 result.ec_transfer_params,
                 len(item.data),
                 trio.current_time(),
             )
         await job.reply.send(StageOutput(ec_transfer_params=result.ec_transfer_params))
+
+
+PROCESSING_OPTIONS: Final = ("mm_processor_kwargs", "media_io_kwargs")
+"""Request fields that change what an encoder makes of an item (vLLM's processor and loader)."""
+
+
+def memory_key(item: MediaItem, options: Mapping[str, object] | None) -> str:
+    """What the router remembers ``item``'s encoder output under.
+
+    Its content hash; with per-kind processing options in the request, the
+    hash plus a digest of them, so an output made under other options is
+    never reused.  It starts with the content hash either way (refusals name
+    items by their hash's first characters).
+    """
+    chosen = {name: options[name] for name in PROCESSING_OPTIONS if options and name in options}
+    if not chosen:
+        return item.content_hash
+    text = json.dumps(chosen, sort_keys=True, separators=(",", ":"), default=str)
+    return f"{item.content_hash}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 def _index(job: Job) -> int:
