@@ -75,6 +75,7 @@ def build_sim_fleet(
     configs: Mapping[str, SimConfig] | None = None,
     policies: Mapping[str, str] | None = None,
     max_in_flight_per_worker: int = 256,
+    stores: SimStores | None = None,
 ) -> SimFleet:
     """Build simulated workers and their pools.
 
@@ -84,8 +85,9 @@ def build_sim_fleet(
         configs: per-stage overrides of ``config``.
         policies: stage -> routing policy name (default ``round_robin``).
         max_in_flight_per_worker: the pools' per-worker limit.
+        stores: the stores the engines share (default: new in-memory ones).
     """
-    stores = create_sim_stores()
+    stores = stores or create_sim_stores()
     base = config or SimConfig()
     engines: dict[str, SimEngine] = {}
     backends: dict[str, InProcessBackend] = {}

@@ -164,13 +164,15 @@ async def sim_http_fleet(
     configs: Mapping[str, SimConfig] | None = None,
     roles: Mapping[str, Role] | None = None,
     models: Mapping[str, str] | None = None,
+    stores: SimStores | None = None,
 ) -> AsyncIterator[SimHttpFleet]:
     """Start simulated servers (``{"encode": 2, ...}``; ``configs`` by worker id or stage).
 
     ``roles`` and ``models`` (by worker id) make a server run another role than
-    its pool's, or serve another model than the router's.
+    its pool's, or serve another model than the router's; ``stores``: the
+    stores they share (default: new in-memory ones).
     """
-    fleet = SimHttpFleet(create_sim_stores())
+    fleet = SimHttpFleet(stores or create_sim_stores())
     with trio.fail_after(GUARD_S):
         async with trio.open_nursery() as nursery:
             for stage, count in workers.items():
@@ -200,8 +202,9 @@ async def fleet_router(
     policies: Mapping[str, str] | None = None,
     extra: Mapping[str, tuple[WorkerEndpoint, ...]] | None = None,
     wait: bool = True,
+    config: RouterConfig | None = None,
 ) -> AsyncIterator[Router]:
-    config = fleet.config(policies=policies, extra=extra)
+    config = config or fleet.config(policies=policies, extra=extra)
     factory = DefaultBackendFactory(openai_http=settings)
     async with open_router(config, backend_factory=factory) as router:
         if wait:
@@ -637,7 +640,9 @@ async def test_a_4xx_fails_the_request_without_retrying() -> None:
         assert isinstance(done, ErrorEvent)
         error = done.error
         assert isinstance(error, RemoteWorkerError)
-        assert (error.code, error.retryable) == (ErrorCode.INVALID_REQUEST, False)
+        # The code the worker gave is kept (as over the native protocol), so
+        # a router that reused an encoder output knows to encode it again.
+        assert (error.code, error.retryable) == (ErrorCode.MISSING_ENCODER_CACHE, False)
         assert "encoder-cache" in error.detail
         assert "400" in error.detail
         assert len(fleet.stage_log("prefill")) == 1

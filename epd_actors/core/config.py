@@ -14,6 +14,7 @@ from ..backends.native.settings import NativeSettings
 from ..backends.openai_http.settings import OpenAIHttpSettings
 from ..errors import ConfigError
 from ..limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS
+from .encoder_cache import EncoderReuse
 from .fleet.settings import SharedSettings
 from .health import HealthPolicy
 from .retry import RetryPolicy
@@ -88,6 +89,9 @@ class PoolConfig:
             worker of this pool at run time (vLLM's ``/v1/load_lora_adapter``,
             ``openai_http`` workers), when a request names one that no worker
             with room has loaded and the adapter has a ``path``.
+        encoder_reuse: whether the router skips E for an item whose encoder
+            output an earlier request produced (``reuse``/``reuse_ttl_s`` in
+            the file; a stage that produces encoder outputs only, i.e. encode).
     """
 
     stage: str
@@ -97,6 +101,7 @@ class PoolConfig:
     policy_options: Mapping[str, object] = field(default_factory=dict)
     model: str | None = None
     lora_loading: bool = False
+    encoder_reuse: EncoderReuse = field(default_factory=EncoderReuse)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +291,7 @@ def validate(config: RouterConfig) -> None:
                 raise ConfigError(f"{key}.policy: {exc}") from None
         if pool.max_in_flight_per_worker < 1:
             raise ConfigError(f"{key}.max_in_flight_per_worker must be >= 1")
+        pool.encoder_reuse.check(key)
         for index, worker in enumerate(pool.workers):
             worker_key = f"{key}.workers[{index}]"
             if not worker.worker_id:

@@ -33,6 +33,8 @@ from ..errors import ConfigError, NoHealthyWorker
 from .actors import STAGE_ACTORS, stage_policy
 from .backend_kinds import backend_kind
 from .config import PoolConfig, RouterConfig, WorkerEndpoint, pool_name
+from .encoder_cache import EncoderCache
+from .encoder_cache_metrics import EncoderCacheCollector
 from .fleet.changes import WorkerChange
 from .fleet.store import open_store
 from .fleet.sync import FleetSync
@@ -270,6 +272,15 @@ def _loadable(config: RouterConfig, pool: PoolConfig, model: str) -> tuple[LoraA
     return tuple(a for a in config.lora_adapters(model) if a.path is not None)
 
 
+def build_encoder_caches(config: RouterConfig) -> dict[str, EncoderCache]:
+    """A memory of encoder outputs for each pool whose ``encoder_reuse`` is on, by pool name."""
+    return {
+        config.pool_name(pool): EncoderCache(pool.encoder_reuse)
+        for pool in config.pools
+        if pool.encoder_reuse.enabled
+    }
+
+
 def build_catalog(config: RouterConfig, pools: dict[str, WorkerPool]) -> ModelCatalog:
     """The models of ``pools`` and the configured adapters of each."""
     adapters = {
@@ -323,7 +334,9 @@ async def open_router(
         retry=config.retries,
         admission=config.admission,
         catalog=build_catalog(config, pools),
+        encoder_caches=build_encoder_caches(config),
     )
+    metrics.registry.register(EncoderCacheCollector(supervisor.encoder_caches))
     with single_exception():
         async with trio.open_nursery() as nursery:
             router = Router(config, supervisor, pools, nursery, factory, metrics)

@@ -39,6 +39,13 @@ pipeline resumes at the producing stage, avoiding every worker whose handle
 was refused, then runs the stages after it again -- at most
 ``retry.max_attempts`` hand-offs per request, inside the request deadline.
 
+*Remembered results gone.*  A stage may skip items whose result it remembers
+from earlier requests (:meth:`BaseActor.recall`: encode, with encoder-output
+reuse on).  When a later stage then fails because such a result is gone (P
+refusing with ``missing_encoder_cache``), the earlier stages name the items to
+run again (:meth:`BaseActor.redo`); the supervisor runs exactly those, then
+the failed stage once more -- once per request, and only before any output.
+
 *Cancellation.*  The caller leaving, the deadline, or router shutdown cancels
 the pipeline; every job still running is cancelled, and each backend aborts
 its worker-side work (shielded, bounded).  Compensations registered by finished
@@ -88,10 +95,11 @@ from .output_relay import OutputRelay
 from .retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Mapping
 
     from ..request import DirectDeltas
     from .actors.jobs import Compensation, Job, StageEvent
+    from .encoder_cache import EncoderCache
     from .models import ModelRoute
     from .pool import WorkerPool
 
@@ -140,6 +148,7 @@ class _RequestRecord:
     handoff: _Handoff | None = None  # the stage output the context's KV params came from
     refused: list[str] = field(default_factory=list)  # workers whose hand-off was refused
     refusal: HandoffRejected | None = None  # the latest refusal, while its stage runs again
+    redone: bool = False  # remembered results were found gone and produced again
 
     def timings(self) -> RequestTimings:
         now = trio.current_time()
@@ -187,6 +196,9 @@ class Supervisor:
         admission: the global in-flight limit.
         catalog: resolves a request's ``model`` (default: the pools' models,
             no configured adapters, the default model None).
+        encoder_caches: pool name -> the memory of encoder outputs its actor
+            reuses across requests (``ConfigError`` for a pool whose stage
+            produces none).
     """
 
     def __init__(
@@ -201,6 +213,7 @@ class Supervisor:
         rng: random.Random | None = None,
         admission: AdmissionLimits | None = None,
         catalog: ModelCatalog | None = None,
+        encoder_caches: Mapping[str, EncoderCache] | None = None,
     ) -> None:
         self.observer = observer
         self.catalog = catalog or ModelCatalog(pools.values())
@@ -222,6 +235,11 @@ class Supervisor:
             for name, pool in pools.items()
         }
         self._names = {id(actor): name for name, actor in self.actors.items()}
+        self.encoder_caches = dict(encoder_caches or {})
+        for name, cache in self.encoder_caches.items():
+            if name not in self.actors:
+                raise ConfigError(f"encoder cache for {name!r}: no such pool")
+            self.actors[name].use_encoder_cache(cache)
         self._ordered = sorted(self.actors.values(), key=lambda actor: actor.order)
         self._plans = _plans_by_model(self._ordered)
         self.actor_restarts = dict.fromkeys(self.actors, 0)
@@ -531,6 +549,10 @@ class Supervisor:
             except HandoffRejected as refusal:
                 index = await self._redo_handoff(plan, record, refusal)
                 continue
+            except EpdError as error:
+                if not await self._redo_recalled(plan[:index], context, record, events, error):
+                    raise
+                continue  # the same stage again, with what the earlier ones produced anew
             index += 1
         if record.finish_reason is None:
             raise ActorCrashed("the output stage ended without a finish reason")
@@ -577,6 +599,40 @@ class Supervisor:
         await trio.sleep(self.retry.backoff_s(attempt, self._rng))
         return plan.index(handoff.actor)
 
+    async def _redo_recalled(
+        self,
+        earlier: list[BaseActor],
+        context: StageContext,
+        record: _RequestRecord,
+        events: trio.MemorySendChannel[GenerationEvent],
+        error: EpdError,
+    ) -> bool:
+        """Run again the items of earlier stages whose remembered results ``error`` found gone.
+
+        True when some ran (the failed stage is to run once more).  False --
+        ``error`` is the request's -- when no earlier stage names any item,
+        when this request did so already, or when output has started.
+
+        Cancellation: like any stage.
+        """
+        if record.redone or record.first_token_at is not None or record.completion_tokens:
+            return False
+        redone = False
+        for actor in earlier:
+            items = actor.redo(context, error)
+            if not items:
+                continue
+            if not redone:
+                logger.warning(
+                    "request %s: %s; producing the missing results again",
+                    record.request.request_id,
+                    error,
+                )
+            redone = record.redone = True
+            record.lifecycle.advance(actor.phase)
+            await self._run_stage(actor, context, record, events, items)
+        return redone
+
     def _charge(self, handoff: _Handoff) -> None:
         """Count a refused hand-off against the circuit breaker of the worker that made it."""
         member = None if handoff.worker_id is None else handoff.actor.pool.get(handoff.worker_id)
@@ -589,9 +645,13 @@ class Supervisor:
         context: StageContext,
         record: _RequestRecord,
         events: trio.MemorySendChannel[GenerationEvent],
+        items: list[int | None] | None = None,
     ) -> None:
         started = trio.current_time()
-        items = actor.split(context)
+        if items is None:
+            items = actor.recall(context, actor.split(context))
+            if not items:
+                return  # every result was remembered: no job, no time spent
         failures: list[EpdError] = []
         workers: list[str] = []
         waits: list[float] = []

@@ -6,13 +6,15 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..core.actors import STAGE_ACTORS, stage_policy
-from ..core.router import build_catalog, build_pools
+from ..core.router import build_catalog, build_encoder_caches, build_pools
 from ..core.supervisor import Supervisor
 from ..errors import ConfigError
 from .config_file import FileConfig, load_config
 
 if TYPE_CHECKING:
     import argparse
+
+    from ..core.config import PoolConfig
 
 
 def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,15 +58,27 @@ def describe(config: FileConfig) -> str:
             f"pool {router.pool_name(pool)}: policy={stage_policy(pool.stage, pool.policy)} "
             f"max_in_flight_per_worker={pool.max_in_flight_per_worker}"
             + (" lora_loading" if pool.lora_loading else "")
+            + _reuse_summary(pool)
         )
         lines += [f"  - {w.worker_id} {w.backend} {w.address}" for w in pool.workers]
     return "\n".join(lines)
 
 
+def _reuse_summary(pool: PoolConfig) -> str:
+    reuse = pool.encoder_reuse
+    if not reuse.enabled:
+        return ""
+    return f" reuse={reuse.mode} reuse_ttl_s={reuse.ttl_s:g} reuse_scope={reuse.scope}"
+
+
 def check_topology(config: FileConfig) -> None:
     """Build (without starting) the supervisor, so topology errors surface here too."""
     pools = build_pools(config.router)
-    Supervisor(pools, catalog=build_catalog(config.router, pools))
+    Supervisor(
+        pools,
+        catalog=build_catalog(config.router, pools),
+        encoder_caches=build_encoder_caches(config.router),
+    )
 
 
 def run_check_config(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from ..core.config import (
     RouterConfig,
     WorkerEndpoint,
 )
+from ..core.encoder_cache import EncoderReuse
 from ..core.fleet.settings import SharedSettings
 from ..core.health import HealthPolicy
 from ..core.retry import RetryPolicy
@@ -393,9 +394,25 @@ def _pool(stage: str, table: _Table) -> PoolConfig:
         policy_options=table.mapping("policy_options"),
         model=table.string("model", None),
         lora_loading=table.boolean("lora_loading", False),
+        encoder_reuse=_encoder_reuse(table),
     )
     table.done()
     return config
+
+
+def _encoder_reuse(table: _Table) -> EncoderReuse:
+    """A pool's ``reuse``, ``reuse_ttl_s``, ``reuse_scope``, ``reuse_max_entries`` and
+    ``reuse_max_bytes`` (see ``encoder_cache.EncoderReuse``)."""
+    default = EncoderReuse()
+    reuse = EncoderReuse(
+        mode=table.string("reuse", default.mode) or default.mode,
+        ttl_s=table.number("reuse_ttl_s", default.ttl_s),
+        scope=table.string("reuse_scope", default.scope) or default.scope,
+        max_entries=table.integer("reuse_max_entries", default.max_entries, minimum=1),
+        max_bytes=table.integer("reuse_max_bytes", default.max_bytes, minimum=1),
+    )
+    reuse.check(table.path)
+    return reuse
 
 
 def parse_host_port(text: str, *, key: str) -> tuple[str, int]:

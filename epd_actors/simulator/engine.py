@@ -594,7 +594,9 @@ class SimEngine:
         missing = [item for h, item in items.items() if self._ec.get(h) is None]
         self._counts.ec_entries_read += len(items) - len(missing)
         if missing and self.config.ec_mode == "strict":
-            hashes = ", ".join(item.content_hash[:16] for item in missing[:4])
+            # Every missing item, by its hash's first 16 characters: a router
+            # that reused entries encodes exactly these again.
+            hashes = ", ".join(item.content_hash[:16] for item in missing)
             raise EngineError(
                 ErrorCode.MISSING_ENCODER_CACHE,
                 f"no encoder-cache entry for {len(missing)} media item(s): {hashes}",

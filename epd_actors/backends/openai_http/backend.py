@@ -59,7 +59,9 @@ retryable=True)``; HTTP 429 and
 ``RemoteWorkerError(code="invalid_request", retryable=False)`` carrying
 vLLM's message (and the ``param`` it blames), or ``code="unknown_kv_handle"``
 when the body says so (a decoder refusing the KV handle a prefill worker
-handed on: the decode actor blames that worker); a reply that breaks the contract
+handed on: the decode actor blames that worker), or
+``code="missing_encoder_cache"`` (a consumer that found no encoder output for
+an item: the router encodes it again); a reply that breaks the contract
 or exceeds a size limit -> ``RemoteWorkerError(code="protocol_error",
 retryable=True)``.
 
@@ -156,6 +158,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _RETRYABLE_STATUSES = frozenset({408, 425, 429})
+_HANDOFF_CODES = frozenset({ErrorCode.UNKNOWN_KV_HANDLE, ErrorCode.MISSING_ENCODER_CACHE})
+"""Refusal codes that blame what an earlier stage handed on; kept as they are."""
 
 
 @functools.cache
@@ -679,11 +683,11 @@ class OpenAIHttpBackend:
         if status >= 500 or status in _RETRYABLE_STATUSES:
             code = ErrorCode.OVERLOADED if status in (429, 503) else ErrorCode.ENGINE_ERROR
             return self._remote(code, message, stage, request_id, True)
-        # A refused KV handle keeps its own code: it blames P's worker, not the client.
-        code = ErrorCode.INVALID_REQUEST
-        if error_code(data) == ErrorCode.UNKNOWN_KV_HANDLE:
-            code = ErrorCode.UNKNOWN_KV_HANDLE
-        refusal = self._remote(code, message, stage, request_id, False)
+        # A refused KV handle keeps its own code: it blames P's worker, not the
+        # client; so does a missing encoder output (the router encodes it again).
+        answered = error_code(data)
+        kept = answered if answered in _HANDOFF_CODES else ErrorCode.INVALID_REQUEST
+        refusal = self._remote(str(kept), message, stage, request_id, False)
         refusal.param = error_param(data)
         return refusal
 

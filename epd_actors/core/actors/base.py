@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import trio
 
-from ...errors import AttemptTimeout, EpdError, NoHealthyWorker
+from ...errors import AttemptTimeout, ConfigError, EpdError, NoHealthyWorker
 from ...limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, JOB_REPLY_BUFFER
 from ..health import is_backpressure
 from ..retry import RetryPolicy, counts_against_worker
@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from ...protocol import Delta, GenerateRequest
     from ...request import GenerationRequest
     from ..config import Deadlines
+    from ..encoder_cache import EncoderCache
     from ..lifecycle import Phase
     from ..output_relay import OutputRelay
     from ..pool import WorkerPool
@@ -166,6 +167,36 @@ class BaseActor:
     def split(cls, context: StageContext) -> list[int | None]:
         """The items this stage fans out over (default: one job, no item)."""
         return [None]
+
+    def recall(self, context: StageContext, items: list[int | None]) -> list[int | None]:
+        """The items of ``items`` that still need a job (default: all of them).
+
+        A stage that remembers results of earlier requests (encode, with its
+        pool's encoder-output reuse) folds what it remembers into ``context``
+        here and leaves those items out; no items left means no job at all.
+        Synchronous: it runs in the requester's task, between two stages.
+        """
+        return items
+
+    def redo(self, context: StageContext, error: EpdError) -> list[int | None]:
+        """The items to run again because a later stage failed with ``error``.
+
+        For a stage whose remembered results (:meth:`recall`) a later stage
+        found gone: it forgets them and names the items that produce them
+        again.  Default: none (the error is the request's).  Synchronous.
+        """
+        return []
+
+    def use_encoder_cache(self, cache: EncoderCache) -> None:
+        """Remember this stage's encoder outputs in ``cache`` across requests.
+
+        Raises:
+            ConfigError: the stage produces no encoder outputs (the default).
+        """
+        raise ConfigError(
+            f"pools.{self.stage}.reuse: only a stage that produces encoder outputs "
+            "(encode) can reuse them"
+        )
 
     def route_key(self, job: Job) -> RouteKey:
         """The routing key of a job (default: the session key, else the prompt prefix).

@@ -74,6 +74,9 @@ class StageContext:
     so two clients reusing an id never collide on a worker); empty means the
     request id itself.  ``adapter`` is the LoRA adapter the request's model
     names (None: the base model), which stage requests carry.
+    ``recalled`` holds the content hashes whose encoder params came from the
+    router's memory of earlier requests rather than from an encode job of
+    this one (see :mod:`~epd_actors.encoder_cache`).
     """
 
     request: GenerationRequest
@@ -82,6 +85,7 @@ class StageContext:
     ec_transfer_params: dict[str, object] | None = None
     kv_transfer_params: dict[str, object] | None = None
     prompt_tokens: int | None = None
+    recalled: set[str] = field(default_factory=set)
 
     def absorb(self, output: StageOutput) -> None:
         """Fold a stage's output into the context."""
