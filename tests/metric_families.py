@@ -1,4 +1,4 @@
-"""Scraping live ``/metrics`` endpoints and reading docs/metrics.md, for the doc and dashboard tests."""
+"""Live `/metrics` scrapes and docs/metrics.md, for the metrics doc and dashboard tests."""
 
 from __future__ import annotations
 
