@@ -106,7 +106,8 @@ class RequestTimings:
             last finish).
         ttft_s: request received -> first output token (None if none came).
         total_s: request received -> final event.
-        workers: stage name -> the worker ids that served it.
+        workers: stage name -> the worker ids that served it (a fan-out stage:
+            one per job, in the order they finished).
     """
 
     queue_wait_s: float
@@ -116,13 +117,25 @@ class RequestTimings:
     workers: dict[str, tuple[str, ...]]
 
     def header_value(self) -> str:
-        """``stage=ms`` pairs for a response header (``x-epd-timings``)."""
+        """``stage=ms`` pairs for a response header (``x-epd-timings``).
+
+        Then ``worker.STAGE=ID[,ID...]`` for each stage that finished: which
+        workers served it.
+        """
         parts = [f"{name}={seconds * 1000:.1f}" for name, seconds in self.stages.items()]
         parts.append(f"queue={self.queue_wait_s * 1000:.1f}")
         if self.ttft_s is not None:
             parts.append(f"ttft={self.ttft_s * 1000:.1f}")
         parts.append(f"total={self.total_s * 1000:.1f}")
+        parts.extend(
+            f"worker.{stage}={','.join(ids)}" for stage, ids in self.workers.items() if ids
+        )
         return ";".join(parts)
+
+    def served_by(self) -> str:
+        """``stage=ID[,ID...]`` of each stage that finished, space-separated (``-``: none)."""
+        pairs = [f"{stage}={','.join(ids)}" for stage, ids in self.workers.items() if ids]
+        return " ".join(pairs) or "-"
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,7 @@ class _Exchange:
     route: str = "other"
     status: int = 0
     sent: int = 0
+    served_by: str = "-"  # the workers of each stage, once the generation ended
 
 
 class HttpConnection:
@@ -472,6 +473,8 @@ class HttpConnection:
                     answer.add(final)
                 elif isinstance(final, DoneEvent | ErrorEvent):
                     break
+        if isinstance(final, DoneEvent | ErrorEvent):
+            self._note_served(final)
         if isinstance(final, ErrorEvent):
             raise _Failed(final)
         if not isinstance(final, DoneEvent):
@@ -502,6 +505,7 @@ class HttpConnection:
         async with self.app.generate(parsed.request, direct=direct) as events:
             batch = await next_batch(events)
             if batch and isinstance(batch[0], ErrorEvent):
+                self._note_served(batch[0])
                 raise _Failed(batch[0])
             self._note_status(200)
             head = self.h11.send(
@@ -512,6 +516,7 @@ class HttpConnection:
                 more, final = render_batch(formatter, batch, parsed)
                 data = head + frame((text + more).encode("utf-8", "replace"))
                 if final is not None:
+                    self._note_served(final)
                     data += self.h11.send(h11.EndOfMessage())
                 if data:
                     await self._write(data)
@@ -541,6 +546,10 @@ class HttpConnection:
         if self.close_after:
             headers.append(("connection", "close"))
         return headers
+
+    def _note_served(self, final: DoneEvent | ErrorEvent) -> None:
+        if self.exchange is not None:
+            self.exchange.served_by = final.timings.served_by()
 
     def _note_status(self, status: int) -> None:
         if self.exchange is not None:
@@ -676,11 +685,12 @@ class HttpConnection:
         self.app.observe_http(exchange.route, exchange.status)
         if self.settings.access_log:
             access_logger.info(
-                '[%s] "%s %s" %d %dB %.1fms',
+                '[%s] "%s %s" %d %dB %.1fms %s',
                 exchange.rid,
                 exchange.method,
                 exchange.path,
                 exchange.status,
                 exchange.sent,
                 (trio.current_time() - exchange.started) * 1000,
+                exchange.served_by,
             )
