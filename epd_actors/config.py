@@ -19,6 +19,7 @@ from .health import HealthPolicy
 from .limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS
 from .retry import RetryPolicy
 from .routing import build_policy
+from .tracing.config import TracingConfig
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -183,6 +184,7 @@ class RouterConfig:
         native: connections to native workers (heartbeats, reconnects, buffers).
         openai_http: connections to stock ``vllm serve`` workers (timeouts,
             pools, health probes, the KV release policy).
+        tracing: OpenTelemetry request tracing (off by default).
     """
 
     pools: tuple[PoolConfig, ...]
@@ -196,6 +198,7 @@ class RouterConfig:
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     native: NativeSettings = field(default_factory=NativeSettings)
     openai_http: OpenAIHttpSettings = field(default_factory=OpenAIHttpSettings)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         validate(self)

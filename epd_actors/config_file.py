@@ -42,6 +42,7 @@ from .frontends.ws import WsSettings
 from .health import HealthPolicy
 from .lora import LoraAdapter
 from .retry import RetryPolicy
+from .tracing.config import TracingConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +231,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     openai_http_table = top.table("openai_http")
     api_key = openai_http_table.secret("api_key", env)
     openai_http = read_settings(openai_http_table, OpenAIHttpSettings, api_key=api_key)
+    tracing = read_settings(top.table("tracing"), TracingConfig)
     pools = _pools(top)
     models = tuple(_model(table) for table in top.tables("models"))
     top.done()
@@ -245,6 +247,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
         admission=admission,
         native=native,
         openai_http=openai_http,
+        tracing=tracing,
     )
     return FileConfig(router, server)
 

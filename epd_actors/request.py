@@ -75,6 +75,9 @@ class GenerationRequest:
             workers that have the adapter when there are some).  None: the
             router's default model.  A name the router does not serve ends
             the request with ``ModelNotFound``.
+        traceparent: the client's W3C ``traceparent`` header, if it sent one:
+            the request's trace continues the client's (when tracing is on;
+            a malformed one starts a new trace).
     """
 
     prompt: Prompt
@@ -86,6 +89,7 @@ class GenerationRequest:
     timeout_s: float | None = None
     options: dict[str, object] | None = None
     model: str | None = None
+    traceparent: str | None = None
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:

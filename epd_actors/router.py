@@ -39,12 +39,14 @@ from .models import ModelCatalog
 from .pool import MemberStatistics, WorkerPool
 from .routing import build_policy
 from .supervisor import Supervisor, SupervisorStatistics
+from .tracing import closing_tracing, open_tracing
 
 if TYPE_CHECKING:
     from .actors import ActorStatistics
     from .lora import LoraAdapter
     from .models import ModelCard
     from .request import DirectDeltas, GenerationEvent, GenerationRequest
+    from .tracing import RequestTracing
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +286,10 @@ def worker_requirement(
 
 @asynccontextmanager
 async def open_router(
-    config: RouterConfig, *, backend_factory: BackendFactory | None = None
+    config: RouterConfig,
+    *,
+    backend_factory: BackendFactory | None = None,
+    tracing: RequestTracing | None = None,
 ) -> AsyncIterator[Router]:
     """Start a router for ``config``; stop it when the block exits.
 
@@ -292,6 +297,8 @@ async def open_router(
         config: pools, workers, deadlines and limits.
         backend_factory: builds a backend per worker (default: a
             :class:`DefaultBackendFactory`, by each worker's ``backend`` kind).
+        tracing: traces the router's requests (default: what ``config.tracing``
+            sets up, nothing unless it is enabled); shut down with the router.
 
     Cancellation: leaving the block cancels every request and connection;
     workers are told to abort within shielded, bounded cleanups.
@@ -299,6 +306,8 @@ async def open_router(
     factory = backend_factory or DefaultBackendFactory()
     pools = build_pools(config)
     metrics = RouterMetrics()
+    if tracing is None:
+        tracing = open_tracing(config.tracing)
     supervisor = Supervisor(
         pools,
         deadlines=config.deadlines,
@@ -307,16 +316,18 @@ async def open_router(
         retry=config.retries,
         admission=config.admission,
         catalog=build_catalog(config, pools),
+        tracing=tracing,
     )
-    with single_exception():
-        async with trio.open_nursery() as nursery:
-            router = Router(config, supervisor, pools, nursery, factory, metrics)
-            metrics.watch(router.statistics)
-            for pool in config.pools:
-                for endpoint in pool.workers:
-                    await router.add_worker(pool.stage, endpoint, model=pool.model)
-            await nursery.start(supervisor.run)
-            try:
-                yield router
-            finally:
-                nursery.cancel_scope.cancel(reason="router closed")
+    async with closing_tracing(tracing):
+        with single_exception():
+            async with trio.open_nursery() as nursery:
+                router = Router(config, supervisor, pools, nursery, factory, metrics)
+                metrics.watch(router.statistics)
+                for pool in config.pools:
+                    for endpoint in pool.workers:
+                        await router.add_worker(pool.stage, endpoint, model=pool.model)
+                await nursery.start(supervisor.run)
+                try:
+                    yield router
+                finally:
+                    nursery.cancel_scope.cancel(reason="router closed")

@@ -94,6 +94,7 @@ if TYPE_CHECKING:
     from .models import ModelRoute
     from .pool import WorkerPool
     from .request import DirectDeltas
+    from .tracing import RequestTrace, RequestTracing
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class _RequestRecord:
     handoff: _Handoff | None = None  # the stage output the context's KV params came from
     refused: list[str] = field(default_factory=list)  # workers whose hand-off was refused
     refusal: HandoffRejected | None = None  # the latest refusal, while its stage runs again
+    trace: RequestTrace | None = None  # the request's spans, when the router traces
 
     def timings(self) -> RequestTimings:
         now = trio.current_time()
@@ -187,6 +189,7 @@ class Supervisor:
         admission: the global in-flight limit.
         catalog: resolves a request's ``model`` (default: the pools' models,
             no configured adapters, the default model None).
+        tracing: traces every request (None: no tracing, at no cost).
     """
 
     def __init__(
@@ -201,8 +204,10 @@ class Supervisor:
         rng: random.Random | None = None,
         admission: AdmissionLimits | None = None,
         catalog: ModelCatalog | None = None,
+        tracing: RequestTracing | None = None,
     ) -> None:
         self.observer = observer
+        self.tracing = tracing
         self.catalog = catalog or ModelCatalog(pools.values())
         self.retry = retry or RetryPolicy()
         self._rng = rng or random.Random()
@@ -421,6 +426,8 @@ class Supervisor:
         direct: DirectDeltas | None,
     ) -> None:
         record = _RequestRecord(request, trio.current_time(), direct=direct)
+        if self.tracing is not None:
+            record.trace = self.tracing.start(request, record)
         completed = False
         try:
             async with events:
@@ -445,20 +452,25 @@ class Supervisor:
             self._observe(record)
 
     def _observe(self, record: _RequestRecord) -> None:
-        if self.observer is None:
+        if self.observer is None and record.trace is None:
             return
-        try:
-            self.observer.request_finished(
-                RequestOutcome(
-                    request_id=record.request.request_id,
-                    phase=record.lifecycle.phase,
-                    error=record.error,
-                    timings=record.timings(),
-                    completion_tokens=record.completion_tokens,
-                )
-            )
-        except Exception:
-            logger.exception("request observer failed on %s", record.request.request_id)
+        outcome = RequestOutcome(
+            request_id=record.request.request_id,
+            phase=record.lifecycle.phase,
+            error=record.error,
+            timings=record.timings(),
+            completion_tokens=record.completion_tokens,
+        )
+        if self.observer is not None:
+            try:
+                self.observer.request_finished(outcome)
+            except Exception:
+                logger.exception("request observer failed on %s", record.request.request_id)
+        if record.trace is not None:
+            try:
+                record.trace.end(outcome)
+            except Exception:
+                logger.exception("request trace failed on %s", record.request.request_id)
 
     async def _outcome(
         self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
@@ -508,7 +520,10 @@ class Supervisor:
                 raise actor.pool.refusal()
         record.lifecycle.advance(Phase.PLANNED)
         context = StageContext(
-            record.request, worker_request_id(record.request.request_id), adapter=route.adapter
+            record.request,
+            worker_request_id(record.request.request_id),
+            adapter=route.adapter,
+            trace=record.trace,
         )
         index = 0
         while index < len(plan):

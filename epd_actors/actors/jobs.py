@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..output_relay import OutputRelay
     from ..protocol import MediaItem, Prompt, SamplingParams
     from ..request import GenerationRequest
+    from ..tracing import RequestTrace
 
 Compensation = Callable[[], Awaitable[object]]
 
@@ -73,7 +74,8 @@ class StageContext:
     ``wire_id`` is the id the workers see (``request_id`` plus a unique suffix,
     so two clients reusing an id never collide on a worker); empty means the
     request id itself.  ``adapter`` is the LoRA adapter the request's model
-    names (None: the base model), which stage requests carry.
+    names (None: the base model), which stage requests carry.  ``trace`` is
+    the request's trace when the router traces (None: not traced).
     """
 
     request: GenerationRequest
@@ -82,6 +84,7 @@ class StageContext:
     ec_transfer_params: dict[str, object] | None = None
     kv_transfer_params: dict[str, object] | None = None
     prompt_tokens: int | None = None
+    trace: RequestTrace | None = None
 
     def absorb(self, output: StageOutput) -> None:
         """Fold a stage's output into the context."""

@@ -431,7 +431,7 @@ class HttpConnection:
             raise InvalidRequest(
                 f"x-epd-priority must be one of {', '.join(PRIORITIES)}", param="x-epd-priority"
             )
-        parsed = replace(parsed, priority=priority)
+        parsed = replace(parsed, priority=priority, traceparent=headers.get("traceparent"))
         if parsed.model not in model_ids(self.app.models()):
             raise unknown_model(parsed.model)
         if parsed.pending:
