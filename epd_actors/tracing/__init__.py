@@ -6,7 +6,7 @@ request to its final event, and one child span per stage attempt on a worker
 its outcome and, for the output stage, the time to first token.  A client's
 W3C ``traceparent`` makes the root a child of the client's span; each attempt's
 ``traceparent`` goes to HTTP-backend workers (``vllm serve`` continues the
-trace) and to native workers that announce the ``traceparent`` capability.
+trace); the native protocol does not carry it (it refuses unknown fields).
 
 :func:`open_tracing` imports OpenTelemetry only when ``[tracing] enabled``.
 """
