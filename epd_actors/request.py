@@ -75,6 +75,9 @@ class GenerationRequest:
             workers that have the adapter when there are some).  None: the
             router's default model.  A name the router does not serve ends
             the request with ``ModelNotFound``.
+        traceparent: the client's W3C ``traceparent`` header, if it sent one:
+            the request's trace continues the client's (when tracing is on;
+            a malformed one starts a new trace).
     """
 
     prompt: Prompt
@@ -86,6 +89,7 @@ class GenerationRequest:
     timeout_s: float | None = None
     options: dict[str, object] | None = None
     model: str | None = None
+    traceparent: str | None = None
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:
@@ -106,7 +110,8 @@ class RequestTimings:
             last finish).
         ttft_s: request received -> first output token (None if none came).
         total_s: request received -> final event.
-        workers: stage name -> the worker ids that served it.
+        workers: stage name -> the worker ids that served it (a fan-out stage:
+            one per job, in the order they finished).
     """
 
     queue_wait_s: float
@@ -116,13 +121,25 @@ class RequestTimings:
     workers: dict[str, tuple[str, ...]]
 
     def header_value(self) -> str:
-        """``stage=ms`` pairs for a response header (``x-epd-timings``)."""
+        """``stage=ms`` pairs for a response header (``x-epd-timings``).
+
+        Then ``worker.STAGE=ID[,ID...]`` for each stage that finished: which
+        workers served it.
+        """
         parts = [f"{name}={seconds * 1000:.1f}" for name, seconds in self.stages.items()]
         parts.append(f"queue={self.queue_wait_s * 1000:.1f}")
         if self.ttft_s is not None:
             parts.append(f"ttft={self.ttft_s * 1000:.1f}")
         parts.append(f"total={self.total_s * 1000:.1f}")
+        parts.extend(
+            f"worker.{stage}={','.join(ids)}" for stage, ids in self.workers.items() if ids
+        )
         return ";".join(parts)
+
+    def served_by(self) -> str:
+        """``stage=ID[,ID...]`` of each stage that finished, space-separated (``-``: none)."""
+        pairs = [f"{stage}={','.join(ids)}" for stage, ids in self.workers.items() if ids]
+        return " ".join(pairs) or "-"
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ async def test_metrics_follow_requests_and_state() -> None:
     assert values[("epd_worker_healthy", (("stage", "decode"), ("worker", "decode-1")))] == 0.0
     assert values[("epd_pool_usable_workers", (("stage", "decode"),))] == 1.0
     assert values[("epd_requests_in_flight", ())] == 0.0
-    assert values[("epd_actor_restarts", (("stage", "decode"),))] == 0.0
+    assert values[("epd_actor_restarts_total", (("stage", "decode"),))] == 0.0
 
 
 async def test_failed_requests_are_counted_by_error_type() -> None:

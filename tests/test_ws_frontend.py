@@ -224,7 +224,8 @@ async def test_concurrent_generations_share_one_socket() -> None:
         assert done["finish_reason"] == "length"
         assert len(tokens(deltas)) == count
         assert done["usage"]["completion_tokens"] == count
-        assert set(done["timings"]) == {"queue_wait_s", "stages", "ttft_s", "total_s"}
+        assert set(done["timings"]) == {"queue_wait_s", "stages", "ttft_s", "total_s", "workers"}
+        assert set(done["timings"]["workers"]) == set(done["timings"]["stages"])
         assert str(done["request_id"]).startswith("req-")
     assert all(len(m["logprobs"]) == len(m["token_ids"]) for m in seen["b"][:-1])
     assert all("logprobs" not in m for m in seen["a"])

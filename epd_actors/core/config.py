@@ -19,6 +19,7 @@ from .fleet.settings import SharedSettings
 from .health import HealthPolicy
 from .retry import RetryPolicy
 from .routing import build_policy
+from .tracing.config import TracingConfig
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -216,6 +217,7 @@ class RouterConfig:
             pools, health probes, the KV release policy).
         shared: the state this router shares with its replicas through Redis
             (off by default; ``epd_actors.core.fleet``).
+        tracing: OpenTelemetry request tracing (off by default).
     """
 
     pools: tuple[PoolConfig, ...]
@@ -230,6 +232,7 @@ class RouterConfig:
     native: NativeSettings = field(default_factory=NativeSettings)
     openai_http: OpenAIHttpSettings = field(default_factory=OpenAIHttpSettings)
     shared: SharedSettings = field(default_factory=SharedSettings)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         validate(self)

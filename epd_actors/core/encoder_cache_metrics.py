@@ -28,6 +28,8 @@ class EncoderCacheCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
+        if not self._caches:
+            return  # no pool reuses encoder outputs: no families without series
         labels = ["pool"]
         skipped = CounterMetricFamily(
             "epd_encoder_calls_skipped",

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .health import BreakerState
 from .lifecycle import Phase
 
 if TYPE_CHECKING:
@@ -192,6 +193,17 @@ class _StateCollector(Collector):
             "Times the worker was refused for what it announced",
             labels=["stage", "worker"],
         )
+        connected = GaugeMetricFamily(
+            "epd_worker_connected", "1 while the worker is connected", labels=["stage", "worker"]
+        )
+        draining = GaugeMetricFamily(
+            "epd_worker_draining", "1 while the worker drains", labels=["stage", "worker"]
+        )
+        breaker = GaugeMetricFamily(
+            "epd_worker_breaker_state",
+            "1 for the circuit breaker state the worker is in, 0 for the others",
+            labels=["stage", "worker", "state"],
+        )
         for stage, members in stats.pools.items():
             pool_in_flight.add_metric([stage], sum(m.in_flight for m in members))
             pool_usable.add_metric([stage], sum(m.usable for m in members))
@@ -201,6 +213,12 @@ class _StateCollector(Collector):
                 aborts.add_metric([stage, member.worker_id], member.aborts_sent)
                 refused.add_metric([stage, member.worker_id], float(member.refused is not None))
                 refusals.add_metric([stage, member.worker_id], member.refusals)
+                connected.add_metric([stage, member.worker_id], float(member.connected))
+                draining.add_metric([stage, member.worker_id], float(member.draining))
+                for state in BreakerState:
+                    breaker.add_metric(
+                        [stage, member.worker_id, state.value], float(member.breaker == state)
+                    )
         supervisor = stats.supervisor
         retries = CounterMetricFamily(
             "epd_retries", "Stage attempts retried on another worker", labels=["stage"]
@@ -217,10 +235,11 @@ class _StateCollector(Collector):
         admission_refusals.add_metric([], supervisor.requests_refused)
         in_flight = GaugeMetricFamily("epd_requests_in_flight", "Requests being served")
         in_flight.add_metric([], supervisor.requests_in_flight)
-        restarts = GaugeMetricFamily(
+        restarts = CounterMetricFamily(
             "epd_actor_restarts", "Times each stage actor was restarted", labels=["stage"]
         )
         for stage, count in supervisor.actor_restarts.items():
             restarts.add_metric([stage], count)
         yield from (pool_in_flight, pool_usable, worker_in_flight, worker_up, in_flight, restarts)
         yield from (retries, queued, admission_refusals, aborts, refused, refusals)
+        yield from (connected, draining, breaker)

@@ -44,12 +44,14 @@ from .pool import WorkerPool
 from .routing import build_policy
 from .statistics import RouterStatistics
 from .supervisor import Supervisor
+from .tracing import closing_tracing, open_tracing
 
 if TYPE_CHECKING:
     from ..lora import LoraAdapter
     from ..request import DirectDeltas, GenerationEvent, GenerationRequest
     from .fleet.state import FleetStore
     from .models import ModelCard
+    from .tracing import RequestTracing
 
 logger = logging.getLogger(__name__)
 
@@ -309,6 +311,7 @@ async def open_router(
     *,
     backend_factory: BackendFactory | None = None,
     fleet_store: FleetStore | None = None,
+    tracing: RequestTracing | None = None,
 ) -> AsyncIterator[Router]:
     """Start a router for ``config``; stop it when the block exits.
 
@@ -319,6 +322,8 @@ async def open_router(
         fleet_store: where this router shares state with its replicas
             (default: ``config.shared``'s Redis, or nothing when it names none);
             see :mod:`epd_actors.core.fleet`.
+        tracing: traces the router's requests (default: what ``config.tracing``
+            sets up, nothing unless it is enabled); shut down with the router.
 
     Cancellation: leaving the block cancels every request and connection;
     workers are told to abort within shielded, bounded cleanups.
@@ -326,6 +331,8 @@ async def open_router(
     factory = backend_factory or DefaultBackendFactory()
     pools = build_pools(config)
     metrics = RouterMetrics()
+    if tracing is None:
+        tracing = open_tracing(config.tracing)
     supervisor = Supervisor(
         pools,
         deadlines=config.deadlines,
@@ -335,20 +342,22 @@ async def open_router(
         admission=config.admission,
         catalog=build_catalog(config, pools),
         encoder_caches=build_encoder_caches(config),
+        tracing=tracing,
     )
     metrics.registry.register(EncoderCacheCollector(supervisor.encoder_caches))
-    with single_exception():
-        async with trio.open_nursery() as nursery:
-            router = Router(config, supervisor, pools, nursery, factory, metrics)
-            metrics.watch(router.statistics)
-            for pool in config.pools:
-                for endpoint in pool.workers:
-                    await router.add_worker(pool.stage, endpoint, model=pool.model)
-            await nursery.start(supervisor.run)
-            store = fleet_store if fleet_store is not None else open_store(config.shared)
-            if store is not None:
-                await nursery.start(FleetSync(router, store, config.shared).run)
-            try:
-                yield router
-            finally:
-                nursery.cancel_scope.cancel(reason="router closed")
+    async with closing_tracing(tracing):
+        with single_exception():
+            async with trio.open_nursery() as nursery:
+                router = Router(config, supervisor, pools, nursery, factory, metrics)
+                metrics.watch(router.statistics)
+                for pool in config.pools:
+                    for endpoint in pool.workers:
+                        await router.add_worker(pool.stage, endpoint, model=pool.model)
+                await nursery.start(supervisor.run)
+                store = fleet_store if fleet_store is not None else open_store(config.shared)
+                if store is not None:
+                    await nursery.start(FleetSync(router, store, config.shared).run)
+                try:
+                    yield router
+                finally:
+                    nursery.cancel_scope.cancel(reason="router closed")

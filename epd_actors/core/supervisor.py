@@ -102,6 +102,7 @@ if TYPE_CHECKING:
     from .encoder_cache import EncoderCache
     from .models import ModelRoute
     from .pool import WorkerPool
+    from .tracing import RequestTrace, RequestTracing
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class _RequestRecord:
     refused: list[str] = field(default_factory=list)  # workers whose hand-off was refused
     refusal: HandoffRejected | None = None  # the latest refusal, while its stage runs again
     redone: bool = False  # remembered results were found gone and produced again
+    trace: RequestTrace | None = None  # the request's spans, when the router traces
 
     def timings(self) -> RequestTimings:
         now = trio.current_time()
@@ -199,6 +201,7 @@ class Supervisor:
         encoder_caches: pool name -> the memory of encoder outputs its actor
             reuses across requests (``ConfigError`` for a pool whose stage
             produces none).
+        tracing: traces every request (None: no tracing, at no cost).
     """
 
     def __init__(
@@ -214,8 +217,10 @@ class Supervisor:
         admission: AdmissionLimits | None = None,
         catalog: ModelCatalog | None = None,
         encoder_caches: Mapping[str, EncoderCache] | None = None,
+        tracing: RequestTracing | None = None,
     ) -> None:
         self.observer = observer
+        self.tracing = tracing
         self.catalog = catalog or ModelCatalog(pools.values())
         self.retry = retry or RetryPolicy()
         self._rng = rng or random.Random()
@@ -451,6 +456,8 @@ class Supervisor:
         direct: DirectDeltas | None,
     ) -> None:
         record = _RequestRecord(request, trio.current_time(), direct=direct)
+        if self.tracing is not None:
+            record.trace = self.tracing.start(request, record)
         completed = False
         try:
             async with events:
@@ -475,20 +482,25 @@ class Supervisor:
             self._observe(record)
 
     def _observe(self, record: _RequestRecord) -> None:
-        if self.observer is None:
+        if self.observer is None and record.trace is None:
             return
-        try:
-            self.observer.request_finished(
-                RequestOutcome(
-                    request_id=record.request.request_id,
-                    phase=record.lifecycle.phase,
-                    error=record.error,
-                    timings=record.timings(),
-                    completion_tokens=record.completion_tokens,
-                )
-            )
-        except Exception:
-            logger.exception("request observer failed on %s", record.request.request_id)
+        outcome = RequestOutcome(
+            request_id=record.request.request_id,
+            phase=record.lifecycle.phase,
+            error=record.error,
+            timings=record.timings(),
+            completion_tokens=record.completion_tokens,
+        )
+        if self.observer is not None:
+            try:
+                self.observer.request_finished(outcome)
+            except Exception:
+                logger.exception("request observer failed on %s", record.request.request_id)
+        if record.trace is not None:
+            try:
+                record.trace.end(outcome)
+            except Exception:
+                logger.exception("request trace failed on %s", record.request.request_id)
 
     async def _outcome(
         self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
@@ -538,7 +550,10 @@ class Supervisor:
                 raise actor.pool.refusal()
         record.lifecycle.advance(Phase.PLANNED)
         context = StageContext(
-            record.request, worker_request_id(record.request.request_id), adapter=route.adapter
+            record.request,
+            worker_request_id(record.request.request_id),
+            adapter=route.adapter,
+            trace=record.trace,
         )
         index = 0
         while index < len(plan):

@@ -130,6 +130,7 @@ class _Exchange:
     route: str = "other"
     status: int = 0
     sent: int = 0
+    served_by: str = "-"  # the workers of each stage, once the generation ended
 
 
 class HttpConnection:
@@ -431,7 +432,7 @@ class HttpConnection:
             raise InvalidRequest(
                 f"x-epd-priority must be one of {', '.join(PRIORITIES)}", param="x-epd-priority"
             )
-        parsed = replace(parsed, priority=priority)
+        parsed = replace(parsed, priority=priority, traceparent=headers.get("traceparent"))
         if parsed.model not in model_ids(self.app.models()):
             raise unknown_model(parsed.model)
         if parsed.pending:
@@ -473,6 +474,8 @@ class HttpConnection:
                     answer.add(final)
                 elif isinstance(final, DoneEvent | ErrorEvent):
                     break
+        if isinstance(final, DoneEvent | ErrorEvent):
+            self._note_served(final)
         if isinstance(final, ErrorEvent):
             raise _Failed(final)
         if not isinstance(final, DoneEvent):
@@ -503,6 +506,7 @@ class HttpConnection:
         async with self.app.generate(parsed.request, direct=direct) as events:
             batch = await next_batch(events)
             if batch and isinstance(batch[0], ErrorEvent):
+                self._note_served(batch[0])
                 raise _Failed(batch[0])
             self._note_status(200)
             head = self.h11.send(
@@ -513,6 +517,7 @@ class HttpConnection:
                 more, final = render_batch(formatter, batch, parsed)
                 data = head + frame((text + more).encode("utf-8", "replace"))
                 if final is not None:
+                    self._note_served(final)
                     data += self.h11.send(h11.EndOfMessage())
                 if data:
                     await self._write(data)
@@ -542,6 +547,10 @@ class HttpConnection:
         if self.close_after:
             headers.append(("connection", "close"))
         return headers
+
+    def _note_served(self, final: DoneEvent | ErrorEvent) -> None:
+        if self.exchange is not None:
+            self.exchange.served_by = final.timings.served_by()
 
     def _note_status(self, status: int) -> None:
         if self.exchange is not None:
@@ -677,11 +686,12 @@ class HttpConnection:
         self.app.observe_http(exchange.route, exchange.status)
         if self.settings.access_log:
             access_logger.info(
-                '[%s] "%s %s" %d %dB %.1fms',
+                '[%s] "%s %s" %d %dB %.1fms %s',
                 exchange.rid,
                 exchange.method,
                 exchange.path,
                 exchange.status,
                 exchange.sent,
                 (trio.current_time() - exchange.started) * 1000,
+                exchange.served_by,
             )

@@ -263,10 +263,11 @@ def cancelled_message(client_id: str) -> str:
 
 
 def timings_body(timings: RequestTimings) -> dict[str, object]:
-    """Where the time went, in seconds (worker ids are not shown to clients)."""
+    """Where the time went, in seconds, and which workers served each stage."""
     return {
         "queue_wait_s": timings.queue_wait_s,
         "stages": dict(timings.stages),
         "ttft_s": timings.ttft_s,
         "total_s": timings.total_s,
+        "workers": {stage: list(ids) for stage, ids in timings.workers.items()},
     }

@@ -135,6 +135,7 @@ class ParsedRequest:
         top_logprobs: alternatives per token asked for.
         n: choices asked for (always 1: other values are refused).
         options: the body's engine fields (:mod:`.openai_fields`), checked.
+        traceparent: the client's W3C ``traceparent`` header (tracing).
     """
 
     kind: RequestKind
@@ -151,6 +152,7 @@ class ParsedRequest:
     top_logprobs: int = 0
     n: int = 1
     options: dict[str, object] | None = None
+    traceparent: str | None = None
 
     @property
     def pending(self) -> tuple[PendingMedia, ...]:
@@ -176,6 +178,7 @@ class ParsedRequest:
             priority=self.priority,
             options=self.options,
             model=self.model,
+            traceparent=self.traceparent,
         )
 
     def with_media(self, items: tuple[MediaItem, ...]) -> ParsedRequest:

@@ -38,6 +38,7 @@ from ..core.encoder_cache import EncoderReuse
 from ..core.fleet.settings import SharedSettings
 from ..core.health import HealthPolicy
 from ..core.retry import RetryPolicy
+from ..core.tracing.config import TracingConfig
 from ..errors import ConfigError
 from ..frontends.http_app import HttpSettings
 from ..frontends.ws import WsSettings
@@ -235,6 +236,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     shared_table = top.table("shared")
     redis_url = shared_table.secret("redis_url", env) or ""
     shared = read_settings(shared_table, SharedSettings, redis_url=redis_url)
+    tracing = read_settings(top.table("tracing"), TracingConfig)
     pools = _pools(top)
     models = tuple(_model(table) for table in top.tables("models"))
     top.done()
@@ -251,6 +253,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
         native=native,
         openai_http=openai_http,
         shared=shared,
+        tracing=tracing,
     )
     return FileConfig(router, server)
 

@@ -37,7 +37,7 @@ started is one ``data: {"error": ...}`` event followed by ``data: [DONE]``, as
 vLLM does.
 
 The server records what each request carried -- the body's key fields and
-the ``x-request-id`` header, the status and whether the client left -- in a
+the ``x-request-id`` and ``traceparent`` headers, the status and whether the client left -- in a
 bounded :class:`RequestLog`, served at ``GET /debug/requests`` when
 ``debug_routes`` is on (the simulator's CLI turns it on), so tests can check
 the contract from the worker's side.
@@ -459,6 +459,7 @@ class SimOpenAIServer:
         if not isinstance(body, dict):
             raise _Refused(400, "the request body must be a JSON object")
         entry = summarize(path, header_id, body)
+        entry["traceparent"] = headers.get("traceparent")
         entry.update(stage=self.engine.role.value, status=None, outcome="running")
         entry["disconnected"] = False
         self.log.add(entry)

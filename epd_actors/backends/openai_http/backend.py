@@ -111,6 +111,7 @@ from ...http.client import (
 from ...limits import CLEANUP_TIMEOUT_S
 from ...lora import LOAD_LORA_PATH, AdapterLoads, listed_adapters
 from ...protocol import EncodeRequest, ErrorCode, StageResult
+from ...trace_context import trace_headers
 from ..base import BackendStatus, WorkerRequirement
 from .contract import (
     DeltaParser,
@@ -707,9 +708,8 @@ class OpenAIHttpBackend:
         The caller must ``aclose()`` the reply.
         """
         body = _encode_json(call.body).encode()
-        return await client.request(
-            "POST", call.path, body, headers=(("x-request-id", call.request_id),)
-        )
+        headers = (("x-request-id", call.request_id), *trace_headers())
+        return await client.request("POST", call.path, body, headers=headers)
 
     async def _post(self, call: HttpCall, stage: str) -> dict[str, object]:
         """POST ``call`` and return its JSON reply (see the module docstring for errors).

@@ -50,6 +50,7 @@ from ...limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, J
 from ..health import is_backpressure
 from ..retry import RetryPolicy, counts_against_worker
 from ..routing import RouteKey, affinity_for_prompt
+from ..tracing import attempt_span
 from .jobs import Job, StageContext, StageEvent, StageFailure
 
 if TYPE_CHECKING:
@@ -454,7 +455,8 @@ class BaseActor:
             passed_on = False
             undo_from = len(job.compensations)
             try:
-                await self._attempt_on(job, lease.backend)
+                with attempt_span(job.context.trace, job, self.stage, attempt):
+                    await self._attempt_on(job, lease.backend)
                 lease.succeeded()
                 return
             except EpdError as exc:

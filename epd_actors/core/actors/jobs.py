@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ...protocol import MediaItem, Prompt, SamplingParams
     from ...request import GenerationRequest
     from ..output_relay import OutputRelay
+    from ..tracing import RequestTrace
 
 Compensation = Callable[[], Awaitable[object]]
 
@@ -76,7 +77,8 @@ class StageContext:
     names (None: the base model), which stage requests carry.
     ``recalled`` holds the content hashes whose encoder params came from the
     router's memory of earlier requests rather than from an encode job of
-    this one (see :mod:`~epd_actors.encoder_cache`).
+    this one (see :mod:`~epd_actors.encoder_cache`).  ``trace`` is
+    the request's trace when the router traces (None: not traced).
     """
 
     request: GenerationRequest
@@ -86,6 +88,7 @@ class StageContext:
     kv_transfer_params: dict[str, object] | None = None
     prompt_tokens: int | None = None
     recalled: set[str] = field(default_factory=set)
+    trace: RequestTrace | None = None
 
     def absorb(self, output: StageOutput) -> None:
         """Fold a stage's output into the context."""
