@@ -58,6 +58,8 @@ def describe(config: FileConfig) -> str:
             + (" lora_loading" if pool.lora_loading else "")
         )
         lines += [f"  - {w.worker_id} {w.backend} {w.address}" for w in pool.workers]
+    if config.discovery is not None:
+        lines += config.discovery.describe()
     return "\n".join(lines)
 
 

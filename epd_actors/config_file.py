@@ -21,7 +21,7 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from .backends.native_settings import NativeSettings
 from .backends.openai_http_settings import OpenAIHttpSettings
@@ -42,6 +42,9 @@ from .frontends.ws import WsSettings
 from .health import HealthPolicy
 from .lora import LoraAdapter
 from .retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from .discovery import DiscoverySettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,8 @@ class FileConfig:
 
     router: RouterConfig
     server: ServerConfig = field(default_factory=ServerConfig)
+    discovery: DiscoverySettings | None = None
+    """``[discovery]``: where workers are found at run time (None: only the listed ones)."""
 
 
 class _Table:
@@ -232,6 +237,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     openai_http = read_settings(openai_http_table, OpenAIHttpSettings, api_key=api_key)
     pools = _pools(top)
     models = tuple(_model(table) for table in top.tables("models"))
+    discovery_table = top.table("discovery")
     top.done()
     router = RouterConfig(
         pools,
@@ -246,7 +252,18 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
         native=native,
         openai_http=openai_http,
     )
-    return FileConfig(router, server)
+    return FileConfig(router, server, _discovery(discovery_table, router))
+
+
+def _discovery(table: _Table, router: RouterConfig) -> DiscoverySettings | None:
+    """``[discovery]``: its ``kind`` names a registered kind, which reads the rest."""
+    from .discovery import discovery_kind
+
+    kind = table.string("kind", None)
+    if kind is None:
+        table.done()
+        return None
+    return discovery_kind(kind, key=table.key("kind")).parse(table, router)
 
 
 def _server(table: _Table, env: dict[str, str]) -> ServerConfig:
