@@ -107,7 +107,7 @@ def load_kube_config(settings: KubernetesSettings) -> SingleConfig:
     except (LightkubeConfigError, OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"discovery: no usable Kubernetes credentials: {exc}") from None
     if single is None:
-        raise ConfigError(f"discovery.context: no context {settings.context!r} in the kubeconfig")
+        raise ConfigError("discovery: the kubeconfig has no current context; set discovery.context")
     if single.user is None:
         raise ConfigError("discovery: the kubeconfig's context names no user")
     if single.user.exec is not None:
