@@ -336,17 +336,21 @@ def test_check_address_format() -> None:
 
 
 async def test_a_router_resumes_a_drained_worker() -> None:
-    from epd_actors import GenerationRequest, Prompt, open_router
+    from epd_actors import GenerationRequest, Prompt, SamplingParams, open_router
     from epd_actors.request import DoneEvent, ErrorEvent
     from epd_actors.testing import build_sim_fleet
 
     fleet = build_sim_fleet({"prefill": 1, "decode": 1})
     async with open_router(fleet.router_config(), backend_factory=fleet.backend_factory) as router:
         router.drain_worker("decode-0")
-        async with router.generate(GenerationRequest(Prompt(text="a"))) as events:
+        async with router.generate(
+            GenerationRequest(Prompt(text="a"), sampling=SamplingParams(max_tokens=3))
+        ) as events:
             assert isinstance([e async for e in events][-1], ErrorEvent)
         router.resume_worker("decode-0")
-        async with router.generate(GenerationRequest(Prompt(text="b"))) as events:
+        async with router.generate(
+            GenerationRequest(Prompt(text="b"), sampling=SamplingParams(max_tokens=3))
+        ) as events:
             assert isinstance([e async for e in events][-1], DoneEvent)
         with pytest.raises(ConfigError, match="unknown worker 'nobody'"):
             router.resume_worker("nobody")
