@@ -523,3 +523,36 @@ def test_a_missing_lightkube_is_named_with_the_extra(monkeypatch: pytest.MonkeyP
 
     with pytest.raises(ConfigError, match=r"pip install 'epd_actors\[kubernetes\]'"):
         KubernetesKind().open(settings(None), CollectorRegistry())
+
+
+async def test_serve_runs_the_configured_discovery(tmp_path: Path) -> None:
+    from epd_actors.check_config import describe
+    from epd_actors.config_file import load_config
+    from epd_actors.server import serve_router
+
+    api = FakeApiServer()
+    api.put(NS, prefill_slice())
+    api.put(NS, decode_slice(endpoint("decode-0", "10.0.0.20")))
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            await api.start(nursery)
+            path = tmp_path / "epd.toml"
+            path.write_text(
+                "[server]\nhttp_listen = '127.0.0.1:0'\n[pools.prefill]\n[pools.decode]\n"
+                "[discovery]\nkind = 'kubernetes'\nbackend = 'native'\n"
+                "address_format = 'tcp://{host}:{port}'\n"
+                f"kubeconfig = '{kubeconfig(tmp_path, api.url, api.token)}'\n"
+                "[[discovery.pools]]\nstage = 'prefill'\n[[discovery.pools]]\nstage = 'decode'\n"
+            )
+            config = load_config(path)
+            assert "discovery:  kubernetes" in describe(config)
+            stop = trio.Event()
+            _, router = await nursery.start(
+                lambda task_status: serve_router(
+                    config, stop=stop, backend_factory=SimBackends(), task_status=task_status
+                )
+            )
+            assert members(router, "decode") == {D0: False}
+            assert isinstance(await final_event(router, 1), DoneEvent)
+            stop.set()
+            nursery.cancel_scope.cancel()
