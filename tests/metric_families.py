@@ -1,4 +1,3 @@
-
 """Live `/metrics` scrapes and docs/metrics.md, for the metrics doc and dashboard tests."""
 
 from __future__ import annotations

@@ -228,6 +228,10 @@ class WorkerPool:
         """Stop giving the worker new jobs (operator drain)."""
         self._members[worker_id].drained = True
 
+    def resume(self, worker_id: str) -> None:
+        """Give a drained worker new jobs again (undoes ``drain``)."""
+        self._members[worker_id].drained = False
+
     def statistics(self) -> list[MemberStatistics]:
         out = []
         now = trio.current_time()

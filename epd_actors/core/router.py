@@ -207,6 +207,19 @@ class Router:
                 return
         raise ConfigError(f"unknown worker {worker_id!r}")
 
+    def resume_worker(self, worker_id: str) -> None:
+        """Give a drained worker new jobs again (undoes ``drain_worker``).
+
+        Raises:
+            ConfigError: unknown worker id.
+        """
+        for pool in self.pools.values():
+            if pool.get(worker_id) is not None:
+                pool.resume(worker_id)
+                logger.info("worker %s resumed", worker_id)
+                return
+        raise ConfigError(f"unknown worker {worker_id!r}")
+
     def remove_worker(self, worker_id: str, *, origin: str | None = None) -> None:
         """Remove a worker; its in-flight jobs are cancelled with its connection.
 

@@ -61,6 +61,8 @@ def describe(config: FileConfig) -> str:
             + _reuse_summary(pool)
         )
         lines += [f"  - {w.worker_id} {w.backend} {w.address}" for w in pool.workers]
+    if config.discovery is not None:
+        lines += config.discovery.describe()
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ..backends.native.settings import NativeSettings
 from ..backends.openai_http.settings import OpenAIHttpSettings
@@ -45,6 +45,9 @@ from ..frontends.ws import WsSettings
 from ..lora import LoraAdapter
 from ..openai.fields import UNKNOWN_FIELD_CHOICES, FieldPolicy
 from ..openai.media import MediaLimits, MediaPolicy
+
+if TYPE_CHECKING:
+    from ..discovery import DiscoverySettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,8 @@ class FileConfig:
 
     router: RouterConfig
     server: ServerConfig = field(default_factory=ServerConfig)
+    discovery: DiscoverySettings | None = None
+    """``[discovery]``: where workers are found at run time (None: only the listed ones)."""
 
 
 class _Table:
@@ -239,6 +244,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     tracing = read_settings(top.table("tracing"), TracingConfig)
     pools = _pools(top)
     models = tuple(_model(table) for table in top.tables("models"))
+    discovery_table = top.table("discovery")
     top.done()
     router = RouterConfig(
         pools,
@@ -255,7 +261,18 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
         shared=shared,
         tracing=tracing,
     )
-    return FileConfig(router, server)
+    return FileConfig(router, server, _discovery(discovery_table, router))
+
+
+def _discovery(table: _Table, router: RouterConfig) -> DiscoverySettings | None:
+    """``[discovery]``: its ``kind`` names a registered kind, which reads the rest."""
+    from ..discovery import discovery_kind
+
+    kind = table.string("kind", None)
+    if kind is None:
+        table.done()
+        return None
+    return discovery_kind(kind, key=table.key("kind")).parse(table, router)
 
 
 def _server(table: _Table, env: dict[str, str]) -> ServerConfig:

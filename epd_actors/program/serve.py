@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, cast
 import trio
 
 from ..core.router import BackendFactory, Router, open_router
+from ..discovery import open_discovery
 from ..frontends.admin import RouterAdmin
 from ..frontends.http import serve_http
 from ..frontends.http_app import RouterHttpApp
@@ -158,7 +159,10 @@ async def serve_router(
     cancelled at once (workers are still told to abort, shielded and bounded).
     """
     server = config.server
-    async with open_router(config.router, backend_factory=backend_factory) as router:
+    async with (
+        open_router(config.router, backend_factory=backend_factory) as router,
+        open_discovery(router, config.discovery),
+    ):
         app = RouterHttpApp(router)
         app.admin = RouterAdmin(router)
         async with trio.open_nursery() as connections:
