@@ -184,7 +184,8 @@ async def test_a_killed_process_is_restarted_and_the_port_keeps_answering(
                     if restarted and samples(text, "epd_router_process_up")["0"] == 1:
                         break
                     await trio.sleep(0.1)
-            new_pid = re.findall(r"router process 0 restarted \(pid (\d+)", "\n".join(parent.stderr))
+            logs = "\n".join(parent.stderr)
+            new_pid = re.findall(r"router process 0 restarted \(pid (\d+)", logs)
             assert new_pid
             assert int(new_pid[0]) != parent.pids[0]
             assert alive(int(new_pid[0]))
@@ -231,7 +232,8 @@ async def test_a_process_that_cannot_start_fails_the_parent_with_its_error(
     assert parent.process.returncode == 2
     errors = "\n".join(parent.stderr)
     assert "configuration error" in errors
-    assert re.search(r"router process \d exited with status 2 before it was ready: .*decode", errors)
+    failed = r"router process \d exited with status 2 before it was ready: .*decode"
+    assert re.search(failed, errors)
     assert not _process_lines(parent.stdout)
 
 
@@ -241,6 +243,7 @@ async def test_a_parent_killed_with_sigkill_leaves_no_router_process(tmp_path: P
         async with start_parent(config, 2) as parent:
             parent.process.kill()
             with trio.fail_after(START_S):
-                while any(alive(pid) for pid in parent.pids.values()):
+                # Not our children once the parent is gone: nothing to wait on but /proc.
+                while any(alive(pid) for pid in parent.pids.values()):  # noqa: ASYNC110
                     await trio.sleep(0.05)
         assert parent.process.returncode == -signal.SIGKILL
