@@ -3,7 +3,7 @@
 Theory of operation: the parent (:mod:`epd_actors.processes`) starts each
 child as an ordinary ``python -m epd_actors serve --config FILE`` with the
 environment variable :data:`CHILD_ENV` set to a small JSON object, a
-:class:`ChildSpec`: the child's index, the parent's pid, and the addresses
+:class:`ChildSpec`: the child's index and the addresses
 (port 0 already resolved by the parent) of the HTTP and WebSocket listeners.
 ``serve`` reads its configuration and checks it exactly as a single router
 does, then :func:`serve_child` opens the router and binds its own listening
@@ -18,24 +18,22 @@ Once every listener accepts, the child writes one line on its stdout:
 parent waits for it.  A child that cannot start writes its error on stderr (as
 ``serve`` does) and exits non-zero before that line.
 
-The child never outlives the parent: on Linux it asks the kernel for SIGTERM
-when the parent dies (``prctl(PR_SET_PDEATHSIG)``, then checks that the parent
-is still the one that started it), and on every platform it watches its stdin,
-a pipe whose other end only the parent holds: end of file means the parent is
-gone.  Either way the child drains as on SIGTERM (bounded by
-``drain_timeout_s``) and exits.
+The child never outlives the parent: it watches its stdin, a pipe whose other
+end only the parent holds (the kernel closes it when the parent exits, however
+it dies): end of file means the parent is gone, and the child drains as on
+SIGTERM (bounded by ``drain_timeout_s``) and exits.  ``prctl(PR_SET_PDEATHSIG)``
+is not used: Linux sends that signal when the *thread* that forked the child
+exits, and Trio starts processes from its worker threads, which exit after a
+few idle seconds.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
 import signal
 import socket
-import sys
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -57,7 +55,6 @@ READY_MARKER = "epd_actors-router-process-ready"
 PRIVATE_HOST = "127.0.0.1"
 # The kernel caps it at net.core.somaxconn, as for trio.open_tcp_listeners.
 LISTEN_BACKLOG = 65535
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +63,11 @@ class ChildSpec:
 
     Attributes:
         index: the process's number, 0 to N-1 (stable across restarts).
-        parent_pid: the parent's pid, to notice a parent that died early.
         http: ``(host, port)`` of each HTTP listening socket to bind.
         ws: ``(host, port)`` of each WebSocket listening socket to bind.
     """
 
     index: int
-    parent_pid: int
     http: tuple[tuple[str, int], ...]
     ws: tuple[tuple[str, int], ...] = ()
 
@@ -80,7 +75,6 @@ class ChildSpec:
         return json.dumps(
             {
                 "index": self.index,
-                "parent_pid": self.parent_pid,
                 "http": [list(a) for a in self.http],
                 "ws": [list(a) for a in self.ws],
             }
@@ -97,7 +91,6 @@ class ChildSpec:
             data = json.loads(text)
             return cls(
                 index=int(data["index"]),
-                parent_pid=int(data["parent_pid"]),
                 http=tuple((str(h), int(p)) for h, p in data["http"]),
                 ws=tuple((str(h), int(p)) for h, p in data["ws"]),
             )
@@ -109,23 +102,6 @@ def child_spec(environ: Mapping[str, str] | None = None) -> ChildSpec | None:
     """The spec of this process when a parent started it as a router process, else None."""
     text = (os.environ if environ is None else environ).get(CHILD_ENV)
     return None if text is None else ChildSpec.from_env(text)
-
-
-def die_with_parent(parent_pid: int) -> bool:
-    """Ask for SIGTERM when the parent dies (Linux); returns whether the kernel agreed.
-
-    The request races the parent's death: if the parent is already gone (our
-    parent pid is no longer ``parent_pid``), SIGTERM is sent to ourselves at
-    once.  Elsewhere than Linux this does nothing; the stdin watch still
-    notices a parent that died.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    agreed: bool = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGTERM)
-    return agreed
 
 
 async def watch_parent(stop: trio.Event, stream: trio.abc.ReceiveStream) -> None:
@@ -185,7 +161,6 @@ async def serve_child(config: FileConfig, spec: ChildSpec) -> None:
 
     Cancellation: cancelling skips the drain, as for :func:`serve_router`.
     """
-    die_with_parent(spec.parent_pid)
     stop = trio.Event()
     http_sockets = [reuse_port_socket(host, port) for host, port in spec.http]
     private = private_socket()

@@ -32,8 +32,8 @@ Theory of operation:
   cleanup_timeout_s + STOP_MARGIN_S`` without an exit, kills what is left.
   The parent exits 0 when every child exited 0.
 * **No orphans.** Children are in their own session (a terminal's Ctrl-C
-  reaches the parent only, which stops them in order); each asks the kernel
-  for SIGTERM when the parent dies and watches a pipe only the parent holds.
+  reaches the parent only, which stops them in order); each watches a pipe
+  only the parent holds and drains and exits when it ends.
 * **Metrics.** With ``metrics_listen`` the parent serves ``GET /metrics``:
   every child's series with a ``process`` label, scraped from each child's
   private listener at scrape time (:mod:`epd_actors.process_metrics`).
@@ -192,7 +192,7 @@ class RouterProcesses:
     def spec(self, index: int) -> ChildSpec:
         assert self.http is not None, "reserve() first"
         ws = () if self.ws is None else (self.ws.address,)
-        return ChildSpec(index, os.getpid(), (self.http.address,), ws)
+        return ChildSpec(index, (self.http.address,), ws)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every child, report once all are ready, then keep them up until cancelled.

@@ -83,7 +83,7 @@ def test_merge_of_a_real_router_registry_round_trips() -> None:
 
 
 def test_child_spec_round_trips_through_the_environment() -> None:
-    spec = ChildSpec(1, 42, (("127.0.0.1", 8000),), (("::1", 8001),))
+    spec = ChildSpec(1, (("127.0.0.1", 8000),), (("::1", 8001),))
     assert child_spec({CHILD_ENV: spec.to_env()}) == spec
     assert child_spec({}) is None
     with pytest.raises(ConfigError, match=CHILD_ENV):
