@@ -116,7 +116,7 @@ def table(rows: dict[int, list[dict]]) -> list[dict]:
                 "router_cpu_ratio": cpu / base_cpu,
                 "router_cpu_util": median([r["router_cpu_util"] for r in measured]),
                 "bench_cpu_util": median([r["bench_cpu_util"] for r in measured]),
-                "errors": sum(r["errors"] for r in measured),
+                "errors": sum(sum(r["errors"].values()) for r in measured),
             }
         )
     return result
