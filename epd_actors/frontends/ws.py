@@ -198,6 +198,7 @@ async def serve_ws(
     *,
     settings: WsSettings | None = None,
     handler_nursery: trio.Nursery | None = None,
+    listeners: list[trio.SocketListener] | None = None,
     task_status: trio.TaskStatus[WsServer] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Serve the WebSocket API on ``host:port`` until cancelled.
@@ -208,6 +209,8 @@ async def serve_ws(
         port: the port (0: any free one; see :attr:`WsServer.port`).
         settings: limits, timeouts and keys (defaults: :class:`WsSettings`).
         handler_nursery: where connection tasks run (default: an internal one).
+        listeners: accept on these (already listening) instead of binding
+            ``host:port``.
         task_status: reports the :class:`WsServer` once accepting.
 
     Cancellation: cancelling stops accepting and cancels every connection;
@@ -220,7 +223,12 @@ async def serve_ws(
     settings = settings or WsSettings()
     async with open_allowed_fetcher(settings.media) as fetcher:
         await _serve(
-            WsServer(app, settings, fetcher=fetcher), host, port, handler_nursery, task_status
+            WsServer(app, settings, fetcher=fetcher),
+            host,
+            port,
+            handler_nursery,
+            task_status,
+            listeners,
         )
 
 
@@ -230,8 +238,10 @@ async def _serve(
     port: int,
     handler_nursery: trio.Nursery | None,
     task_status: trio.TaskStatus[WsServer],
+    listeners: list[trio.SocketListener] | None = None,
 ) -> NoReturn:
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    if listeners is None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
     async with trio.open_nursery() as nursery:
         server.listeners = await nursery.start(
             partial(

@@ -28,6 +28,8 @@ from ..logs import LOG_FORMATS, configure_logging
 from .check_config import add_check_config_arguments, check_topology, run_check_config
 from .config_file import FileConfig, load_config, parse_host_port
 from .local import add_local_arguments, run_local
+from .process_child import child_spec, serve_child
+from .processes import child_command, run_processes, serve_processes_overrides
 from .serve import serve_router
 from .worker import add_worker_arguments, run_worker
 
@@ -80,6 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="the TOML configuration file")
     serve.add_argument("--http-listen", default=None, help="HOST:PORT (overrides the file)")
     serve.add_argument("--ws-listen", default=None, help="HOST:PORT (overrides the file)")
+    serve.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N router processes on the same listeners (overrides [server] processes)",
+    )
+    serve.add_argument(
+        "--metrics-listen",
+        default=None,
+        help="HOST:PORT where the parent of --processes serves every process's /metrics",
+    )
     serve.add_argument(
         "--access-log",
         action="store_true",
@@ -170,14 +184,22 @@ def run_serve(args: argparse.Namespace) -> int:
             server = replace(server, ws_listen=args.ws_listen)
         if args.access_log:
             server = replace(server, http=replace(server.http, access_log=True))
+        server = serve_processes_overrides(server, args)
         config = replace(config, server=server)
+        child = child_spec()
+        if child is None and server.processes > 1:
+            # Each child checks the topology as a single router does.
+            return run_processes(config, server.processes, child_command(args))
         check_topology(config)
     except ConfigError as exc:
         print(f"epd_actors serve: configuration error: {exc}", file=sys.stderr)
         return 2
     status = 0
     try:
-        trio.run(_serve, config)
+        if child is None:
+            trio.run(_serve, config)
+        else:
+            trio.run(serve_child, config, child)
     except* OSError as group:
         print(f"epd_actors serve: cannot listen: {first_leaf(group)}", file=sys.stderr)
         status = 2

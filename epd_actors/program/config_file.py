@@ -64,6 +64,11 @@ class ServerConfig:
             they close (0: close at once).
         http: the HTTP server's limits, timeouts and keys.
         ws: the WebSocket server's limits, timeouts and keys.
+        processes: how many router processes serve the listeners (``serve
+            --processes``; see :mod:`epd_actors.processes`).
+        metrics_listen: ``HOST:PORT`` where the parent of several router
+            processes serves their metrics, each series labelled with its
+            ``process``; None for none.
     """
 
     http_listen: str = "127.0.0.1:8000"
@@ -72,6 +77,8 @@ class ServerConfig:
     http: HttpSettings = field(default_factory=HttpSettings)
     ws: WsSettings = field(default_factory=WsSettings)
     drain_notice_s: float = 0.0
+    processes: int = 1
+    metrics_listen: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +296,10 @@ def _server(table: _Table, env: dict[str, str]) -> ServerConfig:
     admin_key = table.secret("admin_key", env)
     http_listen = table.string("http_listen", defaults.http_listen) or defaults.http_listen
     ws_listen = table.string("ws_listen", None)
-    for key, value in (("http_listen", http_listen), ("ws_listen", ws_listen)):
+    metrics_listen = table.string("metrics_listen", None)
+    processes = table.integer("processes", defaults.processes, minimum=1)
+    listens = (("http_listen", http_listen), ("ws_listen", ws_listen))
+    for key, value in (*listens, ("metrics_listen", metrics_listen)):
         if value is not None:
             parse_host_port(value, key=table.key(key))
     drain_timeout_s = table.number("drain_timeout_s", defaults.drain_timeout_s, minimum=0.001)
@@ -308,7 +318,16 @@ def _server(table: _Table, env: dict[str, str]) -> ServerConfig:
     )
     ws = read_settings(table.table("ws"), WsSettings, api_keys=api_keys, media=media, fields=fields)
     table.done()
-    return ServerConfig(http_listen, ws_listen, drain_timeout_s, http, ws, drain_notice_s)
+    return ServerConfig(
+        http_listen,
+        ws_listen,
+        drain_timeout_s,
+        http,
+        ws,
+        drain_notice_s,
+        processes=processes,
+        metrics_listen=metrics_listen,
+    )
 
 
 def _field_policy(table: _Table) -> FieldPolicy:

@@ -41,6 +41,8 @@ from ..limits import ACCEPT_BURST
 from .config_file import FileConfig, parse_host_port
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ..frontends.ws import WsServer
 
 logger = logging.getLogger(__name__)
@@ -140,6 +142,10 @@ class ServingAddresses:
         return f"ws://{_url_host(host)}:{port}/v1/ws"
 
 
+def _listener(sock: socket.socket) -> trio.SocketListener:
+    return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+
+
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
@@ -149,11 +155,17 @@ async def serve_router(
     *,
     stop: trio.Event,
     backend_factory: BackendFactory | None = None,
+    http_sockets: Sequence[socket.socket] | None = None,
+    ws_sockets: Sequence[socket.socket] | None = None,
     task_status: trio.TaskStatus[tuple[ServingAddresses, Router]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until ``stop`` is set, then drain (see the module docstring).
 
-    Reports ``(addresses, router)`` once every listener accepts.
+    Reports ``(addresses, router)`` once every listener accepts.  With
+    ``http_sockets`` (``ws_sockets``) the front end accepts on those listening
+    sockets, already bound (by a parent process, see :mod:`epd_actors.processes`),
+    instead of binding ``server.http_listen`` (``server.ws_listen``); the
+    reported address is the first socket's.
 
     Cancellation: cancelling skips the graceful steps: every request is
     cancelled at once (workers are still told to abort, shielded and bounded).
@@ -168,7 +180,10 @@ async def serve_router(
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as acceptors:
                 host, port = parse_host_port(server.http_listen, key="server.http_listen")
-                listeners = await trio.open_tcp_listeners(port, host=host)
+                if http_sockets is None:
+                    listeners = await trio.open_tcp_listeners(port, host=host)
+                else:
+                    listeners = [_listener(sock) for sock in http_sockets]
                 # serve_http only accepts from its listeners (trio.serve_listeners).
                 bursting = [BurstListener(item) for item in listeners]
                 await acceptors.start(
@@ -196,6 +211,9 @@ async def serve_router(
                             ws_port,
                             settings=ws_settings,
                             handler_nursery=connections,
+                            listeners=None
+                            if ws_sockets is None
+                            else [_listener(sock) for sock in ws_sockets],
                         )
                     )
                     ws_address = (ws_host, ws_server.port)
