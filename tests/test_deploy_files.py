@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from epd_actors.discovery import KubernetesSettings
-from epd_actors.discovery.kubernetes_kind import ROLE_LABEL
+from epd_actors.discovery.kubernetes_settings import ROLE_LABEL
 from epd_actors.program.check_config import check_topology
 from epd_actors.program.config_file import parse_config
 

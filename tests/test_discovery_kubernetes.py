@@ -25,7 +25,8 @@ from epd_actors.backends.inprocess import InProcessBackend
 from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint
 from epd_actors.discovery import KubernetesPool, KubernetesSettings, open_discovery
 from epd_actors.discovery.kubernetes import KubernetesDiscovery, load_kube_config
-from epd_actors.discovery.kubernetes_kind import ROLE_LABEL, KubernetesKind
+from epd_actors.discovery.kubernetes_kind import KubernetesKind
+from epd_actors.discovery.kubernetes_settings import ROLE_LABEL
 from epd_actors.errors import ConfigError, NoHealthyWorker
 from epd_actors.protocol import Role
 from epd_actors.request import DeltaEvent, DoneEvent, ErrorEvent

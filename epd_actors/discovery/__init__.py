@@ -14,7 +14,8 @@ from .base import (
     open_discovery,
     register_discovery_kind,
 )
-from .kubernetes_kind import KubernetesKind, KubernetesPool, KubernetesSettings
+from .kubernetes_kind import KubernetesKind
+from .kubernetes_settings import KubernetesPool, KubernetesSettings
 
 __all__ = [
     "DISCOVERY_KINDS",

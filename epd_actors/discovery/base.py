@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 
     from prometheus_client import CollectorRegistry
 
+    from ..config_tables import ConfigTable
     from ..core.config import RouterConfig, WorkerEndpoint
     from ..core.router import Router
-    from ..program.config_file import _Table
 
 
 class WorkerSink(Protocol):
@@ -93,7 +93,7 @@ class DiscoveryKind(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def parse(self, table: _Table, router: RouterConfig) -> DiscoverySettings:
+    def parse(self, table: ConfigTable, router: RouterConfig) -> DiscoverySettings:
         """Read the ``[discovery]`` table (its ``kind`` already taken).
 
         Raises:

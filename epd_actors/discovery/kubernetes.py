@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from lightkube.config.kubeconfig import SingleConfig
     from prometheus_client import CollectorRegistry
 
-    from .kubernetes_kind import KubernetesPool, KubernetesSettings
+    from .kubernetes_settings import KubernetesPool, KubernetesSettings
 
 logger = logging.getLogger(__name__)
 

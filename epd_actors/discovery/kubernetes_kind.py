@@ -28,97 +28,27 @@ Keys (docs/deployment.md, "On Kubernetes", has an example)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..core.backend_kinds import backend_kind
 from ..errors import ConfigError
 from .base import DiscoveryKind, DiscoverySettings, register_discovery_kind
 from .endpoints import check_address_format
+from .kubernetes_settings import (
+    ROLE_LABEL,
+    KubernetesPool,
+    KubernetesSettings,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from prometheus_client import CollectorRegistry
 
+    from ..config_tables import ConfigTable
     from ..core.config import RouterConfig
-    from ..program.config_file import _Table
     from .base import Discovery
 
-ROLE_LABEL = "epd-actors.io/role"
-"""The label whose value is the stage, on each role's Service (copied onto its EndpointSlices)."""
-MODEL_LABEL = "epd-actors.io/model"
-"""The label naming a model, for pools of a model other than the default."""
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
-
-@dataclass(frozen=True, slots=True)
-class KubernetesPool:
-    """The EndpointSlices of one router pool.
-
-    Attributes:
-        stage: the pool's stage.
-        model: the pool's model (None: the router's).
-        selector: label -> value; a slice must carry all of them.
-        backend: the backend kind of its workers.
-        port: the name of the slices' port its workers serve on ("": unnamed).
-        address_format: the backend address, from ``{host}`` and ``{port}``.
-    """
-
-    stage: str
-    model: str | None
-    selector: Mapping[str, str]
-    backend: str
-    port: str
-    address_format: str
-
-    @property
-    def selector_text(self) -> str:
-        """The ``labelSelector`` query value."""
-        return ",".join(f"{key}={value}" for key, value in sorted(self.selector.items()))
-
-    @property
-    def label(self) -> str:
-        return self.stage if self.model is None else f"{self.stage}@{self.model}"
-
-
-@dataclass(frozen=True, slots=True)
-class KubernetesSettings(DiscoverySettings):
-    """``[discovery]`` with ``kind = "kubernetes"`` (see the module docstring)."""
-
-    pools: tuple[KubernetesPool, ...] = ()
-    namespace: str | None = None
-    kubeconfig: str | None = None
-    context: str | None = None
-    service_account_dir: str = SERVICE_ACCOUNT_DIR
-    watch_timeout_s: float = 290.0
-    request_timeout_s: float = 10.0
-    backoff_start_s: float = 0.5
-    backoff_max_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.watch_timeout_s < 1:
-            raise ConfigError("watch_timeout_s must be >= 1")
-        if self.request_timeout_s <= 0:
-            raise ConfigError("request_timeout_s must be > 0")
-        if not 0 < self.backoff_start_s <= self.backoff_max_s:
-            raise ConfigError("need 0 < backoff_start_s <= backoff_max_s")
-
-    def describe(self) -> list[str]:
-        where = self.kubeconfig or "in-cluster service account, else $KUBECONFIG"
-        lines = [
-            f"discovery:  kubernetes, namespace {self.namespace or '(from the credentials)'}, "
-            f"credentials: {where}"
-        ]
-        lines += [
-            f"  pool {p.label}: EndpointSlices {p.selector_text}, port {p.port or '(unnamed)'}, "
-            f"{p.backend} {p.address_format}"
-            for p in self.pools
-        ]
-        return lines
-
-
-def _selector(table: _Table, stage: str) -> dict[str, str]:
+def _selector(table: ConfigTable, stage: str) -> dict[str, str]:
     if not table.has("selector"):
         return {ROLE_LABEL: stage}
     raw = table.mapping("selector")
@@ -133,7 +63,9 @@ def _selector(table: _Table, stage: str) -> dict[str, str]:
     return {name: str(value) for name, value in raw.items()}
 
 
-def _pool(table: _Table, router: RouterConfig, defaults: tuple[str, str, str]) -> KubernetesPool:
+def _pool(
+    table: ConfigTable, router: RouterConfig, defaults: tuple[str, str, str]
+) -> KubernetesPool:
     stage = table.string("stage", None)
     if not stage:
         raise ConfigError(f"{table.key('stage')}: required")
@@ -161,7 +93,7 @@ class KubernetesKind(DiscoveryKind):
 
     name = "kubernetes"
 
-    def parse(self, table: _Table, router: RouterConfig) -> DiscoverySettings:
+    def parse(self, table: ConfigTable, router: RouterConfig) -> DiscoverySettings:
         backend = table.string("backend", "openai_http") or "openai_http"
         port = table.string("port", "http") or ""
         address_format = table.string("address_format", "http://{host}:{port}") or ""
@@ -182,7 +114,7 @@ class KubernetesKind(DiscoveryKind):
             "kubeconfig": table.string("kubeconfig", None),
             "context": table.string("context", None),
         }
-        from ..program.config_file import read_settings
+        from ..config_tables import read_settings
 
         return read_settings(table, KubernetesSettings, **fixed)
 

@@ -1,7 +1,7 @@
 """The TOML configuration file: ``python -m epd_actors serve --config epd.toml``.
 
 Theory of operation: :func:`load_config` reads TOML into plain tables and
-:func:`parse_config` walks them with a small :class:`_Table` reader that pops
+:func:`parse_config` walks them with a small :class:`ConfigTable` reader that pops
 each known key (checking its type and range) and then refuses whatever is
 left, so a misspelt key is an error that names it (``server.idel_timeout_s``)
 instead of a silently ignored setting.  The result is a :class:`FileConfig`:
@@ -14,17 +14,15 @@ lists every key with its default.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from ..backends.native.settings import NativeSettings
 from ..backends.openai_http.settings import OpenAIHttpSettings
+from ..config_tables import ConfigTable, read_settings
 from ..core.config import (
     ActorLimits,
     AdmissionLimits,
@@ -91,127 +89,6 @@ class FileConfig:
     """``[discovery]``: where workers are found at run time (None: only the listed ones)."""
 
 
-class _Table:
-    """Reads one TOML table; each getter pops its key; ``done()`` refuses leftovers."""
-
-    def __init__(self, data: object, path: str) -> None:
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path or 'config'}: expected a table")
-        self._data = dict(data)
-        self._path = path
-
-    @property
-    def path(self) -> str:
-        return self._path
-
-    def key(self, name: str) -> str:
-        return f"{self._path}.{name}" if self._path else name
-
-    def _pop(self, name: str, kinds: tuple[type, ...], what: str) -> object:
-        value = self._data.pop(name)
-        if isinstance(value, bool) and bool not in kinds:
-            raise ConfigError(f"{self.key(name)}: expected {what}, got a boolean")
-        if not isinstance(value, kinds):
-            raise ConfigError(f"{self.key(name)}: expected {what}, got {type(value).__name__}")
-        return value
-
-    def has(self, name: str) -> bool:
-        return name in self._data
-
-    def string(self, name: str, default: str | None) -> str | None:
-        if name not in self._data:
-            return default
-        return str(self._pop(name, (str,), "a string"))
-
-    def number(self, name: str, default: float, *, minimum: float = 0.0) -> float:
-        if name not in self._data:
-            return default
-        value = float(self._pop(name, (int, float), "a number"))  # type: ignore[arg-type]
-        if not math.isfinite(value) or value < minimum:
-            raise ConfigError(f"{self.key(name)}: must be a finite number >= {minimum:g}")
-        return value
-
-    def integer(self, name: str, default: int, *, minimum: int = 0) -> int:
-        if name not in self._data:
-            return default
-        value = self._pop(name, (int,), "an integer")
-        assert isinstance(value, int)
-        if value < minimum:
-            raise ConfigError(f"{self.key(name)}: must be >= {minimum}")
-        return value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        if name not in self._data:
-            return default
-        return bool(self._pop(name, (bool,), "true or false"))
-
-    def strings(self, name: str) -> tuple[str, ...]:
-        if name not in self._data:
-            return ()
-        value = self._pop(name, (list,), "a list of strings")
-        assert isinstance(value, list)
-        for index, item in enumerate(value):
-            if not isinstance(item, str):
-                raise ConfigError(f"{self.key(name)}[{index}]: expected a string")
-        return tuple(value)
-
-    def mapping(self, name: str) -> dict[str, object]:
-        """A sub-table taken whole, as plain values (its reader checks the keys)."""
-        value = self._data.pop(name, {})
-        if not isinstance(value, dict):
-            raise ConfigError(f"{self.key(name)}: expected a table")
-        return dict(value)
-
-    def table(self, name: str) -> _Table:
-        return _Table(self._data.pop(name, {}), self.key(name))
-
-    def tables(self, name: str) -> list[_Table]:
-        value = self._data.pop(name, [])
-        if not isinstance(value, list):
-            raise ConfigError(f"{self.key(name)}: expected an array of tables")
-        return [_Table(item, f"{self.key(name)}[{i}]") for i, item in enumerate(value)]
-
-    def stage_tables(self) -> list[tuple[str, list[_Table]]]:
-        """Every remaining key, as a table or an array of tables, by name."""
-        found: list[tuple[str, list[_Table]]] = []
-        for name in list(self._data):
-            if isinstance(self._data[name], list):
-                found.append((name, self.tables(name)))
-            else:
-                found.append((name, [self.table(name)]))
-        return found
-
-    def remaining_tables(self) -> list[tuple[str, _Table]]:
-        names = list(self._data)
-        return [(n, _Table(self._data.pop(n), self.key(n))) for n in names]
-
-    def secret(self, name: str, environ: dict[str, str]) -> str | None:
-        """``name``, ``name_env`` or ``name_file`` (at most one)."""
-        given = [k for k in (name, f"{name}_env", f"{name}_file") if k in self._data]
-        if len(given) > 1:
-            raise ConfigError(f"{self.key(name)}: give only one of {', '.join(given)}")
-        if not given:
-            return None
-        chosen = given[0]
-        value = self.string(chosen, None)
-        assert value is not None
-        if chosen.endswith("_env"):
-            if value not in environ:
-                raise ConfigError(f"{self.key(chosen)}: environment variable {value} is not set")
-            return environ[value]
-        if chosen.endswith("_file"):
-            try:
-                return Path(value).read_text(encoding="utf-8").strip()
-            except OSError as exc:
-                raise ConfigError(f"{self.key(chosen)}: {exc}") from None
-        return value
-
-    def done(self) -> None:
-        if self._data:
-            unknown = ", ".join(self.key(k) for k in self._data)
-            raise ConfigError(f"unknown key(s): {unknown}")
-
-
 def load_config(
     path: str | os.PathLike[str], *, environ: dict[str, str] | None = None
 ) -> FileConfig:
@@ -232,7 +109,7 @@ def load_config(
 def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = None) -> FileConfig:
     """Validate already-parsed TOML tables (see :func:`load_config`)."""
     env = dict(os.environ) if environ is None else environ
-    top = _Table(data, "")
+    top = ConfigTable(data, "")
     model = top.string("model", "sim-model") or "sim-model"
     auth_token = top.secret("auth_token", env) or ""
     server = _server(top.table("server"), env)
@@ -271,7 +148,7 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     return FileConfig(router, server, _discovery(discovery_table, router))
 
 
-def _discovery(table: _Table, router: RouterConfig) -> DiscoverySettings | None:
+def _discovery(table: ConfigTable, router: RouterConfig) -> DiscoverySettings | None:
     """``[discovery]``: its ``kind`` names a registered kind, which reads the rest."""
     from ..discovery import discovery_kind
 
@@ -282,7 +159,7 @@ def _discovery(table: _Table, router: RouterConfig) -> DiscoverySettings | None:
     return discovery_kind(kind, key=table.key("kind")).parse(table, router)
 
 
-def _server(table: _Table, env: dict[str, str]) -> ServerConfig:
+def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
     defaults = ServerConfig()
     api_keys = table.strings("api_keys")
     if table.has("api_keys_env"):
@@ -330,7 +207,7 @@ def _server(table: _Table, env: dict[str, str]) -> ServerConfig:
     )
 
 
-def _field_policy(table: _Table) -> FieldPolicy:
+def _field_policy(table: ConfigTable) -> FieldPolicy:
     choice = table.string("unknown_fields", "reject")
     if choice not in UNKNOWN_FIELD_CHOICES:
         raise ConfigError(
@@ -340,7 +217,7 @@ def _field_policy(table: _Table) -> FieldPolicy:
     return FieldPolicy(unknown=choice)  # type: ignore[arg-type]
 
 
-def _media(table: _Table) -> MediaLimits:
+def _media(table: ConfigTable) -> MediaLimits:
     prefixes = table.strings("allowed_url_prefixes")
     local_dirs = table.strings("allowed_local_dirs")
     try:
@@ -350,47 +227,7 @@ def _media(table: _Table) -> MediaLimits:
     return read_settings(table, MediaLimits, policy=policy)
 
 
-_T = TypeVar("_T")
-
-
-def read_settings(table: _Table, cls: type[_T], **fixed: object) -> _T:
-    """Build the settings dataclass ``cls`` from ``table``, one key per field.
-
-    Fields given in ``fixed`` come from elsewhere and are not read; every
-    other field of type int, float, bool, str or tuple of str may appear under
-    its own name, defaulting to the dataclass default.  Leftover keys are
-    errors.
-
-    Raises:
-        ConfigError: a wrong type, a negative number, an unknown key, or a
-            value the settings class itself refuses (named by its table).
-    """
-    hints = typing.get_type_hints(cls)
-    values: dict[str, object] = dict(fixed)
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name in fixed or not table.has(f.name):
-            continue
-        kind = hints[f.name]
-        if kind is bool:
-            values[f.name] = table.boolean(f.name, False)
-        elif kind is int:
-            values[f.name] = table.integer(f.name, 0)
-        elif kind is float:
-            values[f.name] = table.number(f.name, 0.0)
-        elif kind is str:
-            values[f.name] = table.string(f.name, "")
-        elif kind == tuple[str, ...]:
-            values[f.name] = table.strings(f.name)
-        else:
-            raise ConfigError(f"{table.key(f.name)}: cannot be set in a configuration file")
-    table.done()
-    try:
-        return cls(**values)
-    except (ConfigError, ValueError, TypeError) as exc:
-        raise ConfigError(f"{table.path or 'config'}: {exc}") from None
-
-
-def _pools(top: _Table) -> tuple[PoolConfig, ...]:
+def _pools(top: ConfigTable) -> tuple[PoolConfig, ...]:
     """``[pools.STAGE]`` (one pool) or ``[[pools.STAGE]]`` (one per model) for each stage."""
     pools: list[PoolConfig] = []
     for stage, table in top.table("pools").stage_tables():
@@ -398,7 +235,7 @@ def _pools(top: _Table) -> tuple[PoolConfig, ...]:
     return tuple(pools)
 
 
-def _model(table: _Table) -> ModelConfig:
+def _model(table: ConfigTable) -> ModelConfig:
     name = table.string("name", None)
     if not name:
         raise ConfigError(f"{table.key('name')}: required")
@@ -413,7 +250,7 @@ def _model(table: _Table) -> ModelConfig:
     return ModelConfig(name, tuple(adapters))
 
 
-def _pool(stage: str, table: _Table) -> PoolConfig:
+def _pool(stage: str, table: ConfigTable) -> PoolConfig:
     workers = []
     for worker in table.tables("workers"):
         worker_id = worker.string("id", None)
@@ -439,7 +276,7 @@ def _pool(stage: str, table: _Table) -> PoolConfig:
     return config
 
 
-def _encoder_reuse(table: _Table) -> EncoderReuse:
+def _encoder_reuse(table: ConfigTable) -> EncoderReuse:
     """A pool's ``reuse``, ``reuse_ttl_s``, ``reuse_scope``, ``reuse_max_entries`` and
     ``reuse_max_bytes`` (see ``encoder_cache.EncoderReuse``)."""
     default = EncoderReuse()
