@@ -29,11 +29,10 @@ from epd_actors.protocol import Role, TokenLogprob
 from epd_actors.request import DeltaEvent
 from epd_actors.simulator.engine import SimEngine
 from epd_actors.simulator.store import create_sim_stores
-
-from .memory_fleet import MemoryFleet, worker
-from .test_http_frontend import connected
-from .test_openai_http_backend import QUICK, fleet_router, sim_http_fleet
-from .test_openai_http_client import backend_replies, canned_server
+from tests.backends.test_openai_http_backend import QUICK, fleet_router, sim_http_fleet
+from tests.frontends.test_http_frontend import connected
+from tests.http.test_openai_http_client import backend_replies, canned_server
+from tests.memory_fleet import MemoryFleet, worker
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

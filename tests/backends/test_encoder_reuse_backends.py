@@ -3,7 +3,7 @@
 * native: simulated workers behind real :class:`~epd_actors.worker.runtime.WorkerServer`\\ s,
   reached over memory streams (``tests/memory_fleet.py``);
 * openai_http: simulated vLLM HTTP servers on 127.0.0.1, port 0
-  (``tests/test_openai_http_backend.py``), where ``ec_transfer_params`` travel in the
+  (``tests/backends/test_openai_http_backend.py``), where ``ec_transfer_params`` travel in the
   JSON bodies and a refusal comes back as an HTTP 400 with its code.
 
 Images, audio (``input_audio`` over HTTP) and video go through E+P+D and E+PD;
@@ -32,9 +32,8 @@ from epd_actors.simulator.store import (
     SimStores,
     create_sim_stores,
 )
-
-from .memory_fleet import MemoryFleet, worker
-from .test_openai_http_backend import QUICK, fleet_router, sim_http_fleet
+from tests.backends.test_openai_http_backend import QUICK, fleet_router, sim_http_fleet
+from tests.memory_fleet import MemoryFleet, worker
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Mapping

@@ -67,7 +67,7 @@ from epd_actors.worker.runtime import WorkerConfig, WorkerServer
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GUARD_S = 5.0
 
 # ---------------------------------------------------------------- the fake AsyncLLM

@@ -23,8 +23,7 @@ from epd_actors.discovery.endpoints import (
 from epd_actors.discovery.reconcile import Action, Reconciler
 from epd_actors.errors import ConfigError
 from epd_actors.program.config_file import parse_config
-
-from .k8s_fake import endpoint, endpoint_slice
+from tests.k8s_fake import endpoint, endpoint_slice
 
 if TYPE_CHECKING:
     from epd_actors.core.config import WorkerEndpoint

@@ -13,7 +13,7 @@ from epd_actors.frontends.ws_messages import done_message
 from epd_actors.logs import ACCESS_LOGGER
 from epd_actors.protocol import Usage
 from epd_actors.request import DoneEvent, RequestTimings
-from tests.test_http_frontend import CHAT, connected, sim_app
+from tests.frontends.test_http_frontend import CHAT, connected, sim_app
 
 TIMINGS = RequestTimings(
     0.001,

@@ -32,9 +32,9 @@ from epd_actors.openai.schema import parse_chat_completion, parse_completion
 from epd_actors.protocol import ChatMessage, Prompt, SamplingParams
 from epd_actors.request import DeltaEvent, DoneEvent, GenerationRequest
 from epd_actors.testing import build_sim_fleet
-from tests.test_http_frontend import ScriptedApp, connected
-from tests.test_openai_http_backend import fleet_router, sim_http_fleet
-from tests.test_ws_frontend import receive, send, serving
+from tests.backends.test_openai_http_backend import fleet_router, sim_http_fleet
+from tests.frontends.test_http_frontend import ScriptedApp, connected
+from tests.frontends.test_ws_frontend import receive, send, serving
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -403,7 +403,7 @@ def test_the_http_docs_list_every_field_with_its_support() -> None:
     from epd_actors.simulator.engine import SIM_OPTIONS
     from epd_actors.worker.engines.vllm_io import VLLM_OPTIONS
 
-    text = (Path(__file__).parent.parent / "docs" / "http.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "http.md").read_text()
     rows = {
         line.split("|")[1].strip().strip("`"): [cell.strip() for cell in line.split("|")[2:-1]]
         for line in text.splitlines()

@@ -57,8 +57,7 @@ from epd_actors.protocol import (
 from epd_actors.protocol.codec import HEADER, FrameDecoder, encode
 from epd_actors.transport.framed import FramedStream
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
-
-from .fakes import ENGINE_FAILURES, ScriptedEngine, engine_error
+from tests.fakes import ENGINE_FAILURES, ScriptedEngine, engine_error
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable

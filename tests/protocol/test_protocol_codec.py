@@ -427,7 +427,7 @@ def test_fuzz_mutated_bodies_keep_framing(
 
 # ---------------------------------------------------------------- docs/protocol.md
 
-PROTOCOL_DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+PROTOCOL_DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
 
 def annotated_hex(block: str) -> bytes:

@@ -19,9 +19,8 @@ from epd_actors.errors import NoHealthyWorker
 from epd_actors.frontends.http_app import RouterHttpApp
 from epd_actors.protocol import Role
 from epd_actors.request import DoneEvent, ErrorEvent
-
-from .fakes import ScriptedEngine
-from .memory_fleet import MODEL, MemoryFleet, final_event, worker
+from tests.fakes import ScriptedEngine
+from tests.memory_fleet import MODEL, MemoryFleet, final_event, worker
 
 GUARD_S = 600.0  # virtual seconds
 

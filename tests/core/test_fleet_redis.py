@@ -18,9 +18,8 @@ from coredis.exceptions import AuthenticationRequiredError
 from epd_actors.core.fleet import SharedSettings
 from epd_actors.core.fleet.redis_state import RedisFleetStore
 from epd_actors.frontends.admin import RouterAdmin
-
-from .fleet.redis_server import RedisServer, make_certificate
-from .fleet.replicas import Workers, held, replica, replicas, settle, short_request
+from tests.fleet.redis_server import RedisServer, make_certificate
+from tests.fleet.replicas import Workers, held, replica, replicas, settle, short_request
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

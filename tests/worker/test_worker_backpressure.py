@@ -28,9 +28,8 @@ from epd_actors.errors import (
 from epd_actors.openai.errors import error_response
 from epd_actors.protocol import ErrorCode, GenerateRequest, Prompt, Role
 from epd_actors.request import DoneEvent, ErrorEvent
-
-from .fakes import ScriptedEngine
-from .memory_fleet import MemoryFleet, final_event, worker
+from tests.fakes import ScriptedEngine
+from tests.memory_fleet import MemoryFleet, final_event, worker
 
 GUARD_S = 600.0  # virtual seconds
 

@@ -29,9 +29,8 @@ from epd_actors.simulator.engine import SimConfig, SimEngine
 from epd_actors.simulator.lora import LoraRefused, SimLoraAdapters
 from epd_actors.simulator.openai_server import SimOpenAIServer, serve_openai
 from epd_actors.simulator.store import create_sim_stores
-
-from .memory_fleet import TOKEN, MemoryFleet, worker
-from .test_http_frontend import connected
+from tests.frontends.test_http_frontend import connected
+from tests.memory_fleet import TOKEN, MemoryFleet, worker
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

@@ -21,11 +21,11 @@ from epd_actors.program.config_file import parse_config
 from epd_actors.request import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest
 from epd_actors.testing import build_sim_fleet, sim_config
 from epd_actors.trace_context import CURRENT_TRACEPARENT
-from tests.test_http_frontend import CHAT, connected
-from tests.test_openai_http_backend import chat as http_chat
-from tests.test_openai_http_backend import fleet_router, sim_http_fleet
-from tests.test_openai_http_backend import image as http_image
-from tests.test_supervisor import chat, final, image, run_one
+from tests.backends.test_openai_http_backend import chat as http_chat
+from tests.backends.test_openai_http_backend import fleet_router, sim_http_fleet
+from tests.backends.test_openai_http_backend import image as http_image
+from tests.core.test_supervisor import chat, final, image, run_one
+from tests.frontends.test_http_frontend import CHAT, connected
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan

@@ -35,8 +35,7 @@ from epd_actors.protocol import (
 from epd_actors.protocol.codec import HEADER, encode
 from epd_actors.transport.framed import FramedStream
 from epd_actors.worker.runtime import WorkerConfig, WorkerServer
-
-from .fakes import ENGINE_FAILURES, ScriptedEngine, engine_crash, engine_error
+from tests.fakes import ENGINE_FAILURES, ScriptedEngine, engine_crash, engine_error
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -9,7 +9,7 @@ import pytest
 
 from epd_actors.frontends.http_app import HttpSettings
 from epd_actors.logs import ACCESS_LOGGER, JsonFormatter, configure_logging
-from tests.test_http_frontend import ScriptedApp, connected
+from tests.frontends.test_http_frontend import ScriptedApp, connected
 
 
 def test_a_json_line_carries_time_level_logger_message_and_exception() -> None:

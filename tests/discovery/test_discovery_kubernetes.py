@@ -33,9 +33,8 @@ from epd_actors.request import DeltaEvent, DoneEvent, ErrorEvent
 from epd_actors.simulator.engine import SimEngine
 from epd_actors.simulator.store import create_sim_stores
 from epd_actors.testing import sim_config
-
-from .faults.polling import wait_until
-from .k8s_fake import FakeApiServer, endpoint, endpoint_slice
+from tests.faults.polling import wait_until
+from tests.k8s_fake import FakeApiServer, endpoint, endpoint_slice
 
 # When a watch stream breaks (the API server goes away mid-stream), the layered
 # async generators of lightkube's watch and of httpx2/httpcore2 under it

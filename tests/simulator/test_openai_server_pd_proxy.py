@@ -21,8 +21,7 @@ import httpx
 import trio
 
 from epd_actors.simulator.engine import SimConfig
-
-from .test_openai_http_backend import GUARD_S, MODEL, sim_http_fleet
+from tests.backends.test_openai_http_backend import GUARD_S, MODEL, sim_http_fleet
 
 REQUEST_ID = "___prefill_addr_127.0.0.1:1___decode_addr_127.0.0.1:2_0123456789abcdef"
 CLIENT_BODY: dict[str, object] = {

@@ -42,7 +42,7 @@ from epd_actors.testing import build_sim_fleet
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "bench-key"
 
 

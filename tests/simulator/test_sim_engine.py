@@ -925,7 +925,7 @@ def test_invalid_config_is_refused_naming_the_knob(knob: str, value: object) -> 
 
 
 def test_every_knob_is_documented() -> None:
-    docs = (Path(__file__).parent.parent / "docs" / "simulator.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "simulator.md").read_text()
     for knob in sim_knobs():
         assert f"`{knob.name}`" in docs, knob.name
         assert knob.spec.doc
@@ -1023,7 +1023,7 @@ def test_config_from_a_hand_built_namespace_is_checked() -> None:
 
 
 def test_the_python_example_in_the_docs_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    docs = (Path(__file__).parent.parent / "docs" / "simulator.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "simulator.md").read_text()
     example = docs.split("## Using it from Python\n\n```python\n", 1)[1].split("```", 1)[0]
     exec(compile(example, "docs/simulator.md", "exec"), {"__name__": "docs_example"})
     assert len(capsys.readouterr().out.split()) == 16

@@ -1,6 +1,6 @@
 """Shared state between router replicas, over the in-process store (fast, on an autojump clock).
 
-The same behaviour over a real Redis is in tests/test_fleet_redis.py.
+The same behaviour over a real Redis is in tests/core/test_fleet_redis.py.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from epd_actors.frontends.admin import RouterAdmin
 from epd_actors.frontends.http_app import RouterHttpApp
 from epd_actors.program.config_file import parse_config
 from epd_actors.request import ErrorEvent
-
-from .fleet.replicas import Workers, held, replica, replicas, settle, short_request
+from tests.fleet.replicas import Workers, held, replica, replicas, settle, short_request
 
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager

@@ -14,7 +14,7 @@ from epd_actors.frontends.http import RouterHttpApp
 from epd_actors.program.config_file import FileConfig, ServerConfig
 from epd_actors.program.serve import serve_router
 from epd_actors.testing import build_sim_fleet
-from tests.test_http_frontend import connected
+from tests.frontends.test_http_frontend import connected
 
 PD = {"pd": 1}
 

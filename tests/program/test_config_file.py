@@ -11,7 +11,7 @@ from epd_actors.program.check_config import check_topology, describe
 from epd_actors.program.cli import main
 from epd_actors.program.config_file import load_config, parse_config
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "epd.toml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "epd.toml"
 ENV = {"EPD_AUTH_TOKEN": "tok", "EPD_API_KEYS": "k1, k2", "EPD_ADMIN_KEY": "adm"}
 
 MINIMAL = """
@@ -157,7 +157,7 @@ def test_every_settable_key_is_documented() -> None:
     from epd_actors.frontends.ws import WsSettings
     from epd_actors.openai.media import MediaLimits
 
-    docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     # set from elsewhere: keys, media tables, and `fields` from `[server] unknown_fields`
     internal = {"api_keys", "admin_keys", "media", "policy", "access_log", "fields"}
     assert "`api_key` /" in docs
