@@ -178,7 +178,10 @@ class EncodeActor(BaseActor):
     async def handle(self, job: Job, backend: StageBackend) -> None:
         index = _index(job)
         item = job.context.request.media[index]
-        result = await backend.run_stage(EncodeRequest(f"{job.request_id}:{index}", (item,)))
+        options = processing_options(job.context.request.options)
+        result = await backend.run_stage(
+            EncodeRequest(f"{job.request_id}:{index}", (item,), options=options)
+        )
         if self.encoder_cache is not None:
             self.encoder_cache.remember(
                 memory_key(item, job.context.request.options),
@@ -194,6 +197,12 @@ PROCESSING_OPTIONS: Final = ("mm_processor_kwargs", "media_io_kwargs")
 """Request fields that change what an encoder makes of an item (vLLM's processor and loader)."""
 
 
+def processing_options(options: Mapping[str, object] | None) -> dict[str, object] | None:
+    """The request options E must see (:data:`PROCESSING_OPTIONS`); None without any."""
+    chosen = {name: options[name] for name in PROCESSING_OPTIONS if options and name in options}
+    return chosen or None
+
+
 def memory_key(item: MediaItem, options: Mapping[str, object] | None) -> str:
     """What the router remembers ``item``'s encoder output under.
 
@@ -202,7 +211,7 @@ def memory_key(item: MediaItem, options: Mapping[str, object] | None) -> str:
     never reused.  It starts with the content hash either way (refusals name
     items by their hash's first characters).
     """
-    chosen = {name: options[name] for name in PROCESSING_OPTIONS if options and name in options}
+    chosen = processing_options(options)
     if not chosen:
         return item.content_hash
     text = json.dumps(chosen, sort_keys=True, separators=(",", ":"), default=str)
