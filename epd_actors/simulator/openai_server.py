@@ -587,7 +587,9 @@ class SimOpenAIServer:
         media = exchange.parsed.request.media
         if not media:
             raise EngineError(ErrorCode.INVALID_REQUEST, "an encode request needs media")
-        result = await self.engine.encode(EncodeRequest(exchange.request_id, media))
+        result = await self.engine.encode(
+            EncodeRequest(exchange.request_id, media, options=exchange.options)
+        )
         answer = self._body(exchange, "", "length", Usage(0, 0))
         answer["ec_transfer_params"] = result.ec_transfer_params
         await self._answer(exchange, answer)

@@ -238,7 +238,9 @@ def encode_call(request: EncodeRequest, index: int, *, model: str, suffix: str) 
     The header is ``<request_id>:<suffix>`` for a single-item request (the
     encode actor's request ids already end in ``:<item>``), else
     ``<request_id>:<index>:<suffix>``.  ``suffix`` differs per attempt, so a
-    retry never reuses an id an encoder may still hold.
+    retry never reuses an id an encoder may still hold.  The request's
+    processing options (``mm_processor_kwargs``, ``media_io_kwargs``) go in
+    the body as the client sent them, as they go to P and D.
     """
     item = request.media[index]
     body: JsonObject = {
@@ -246,6 +248,7 @@ def encode_call(request: EncodeRequest, index: int, *, model: str, suffix: str) 
         "messages": [{"role": "user", "content": [media_part(item)]}],
         "max_tokens": 1,
         "stream": False,
+        **(request.options or {}),
     }
     if len(request.media) == 1:
         request_id = f"{request.request_id}:{suffix}"
