@@ -25,7 +25,7 @@ from epd_actors.protocol import ErrorCode, Role
 from epd_actors.request import DoneEvent, ErrorEvent
 from epd_actors.simulator.engine import SimEngine
 from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
-from tests.test_encoder_reuse import EPD, EPD_PD, TTL, image, turn
+from tests.core.test_encoder_reuse import EPD, EPD_PD, TTL, image, turn
 
 if TYPE_CHECKING:
     from epd_actors.protocol import EncodeRequest, StageResult

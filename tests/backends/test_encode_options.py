@@ -22,7 +22,7 @@ from epd_actors.protocol.codec import HEADER, decode_body, encode
 from epd_actors.request import DoneEvent, ErrorEvent, GenerationRequest
 from epd_actors.simulator.engine import SIM_OPTIONS, SimEngine
 from epd_actors.testing import build_sim_fleet
-from tests.test_encoder_reuse import EPD, TTL, image, turn
+from tests.core.test_encoder_reuse import EPD, TTL, image, turn
 
 if TYPE_CHECKING:
     from epd_actors.protocol import StageResult
