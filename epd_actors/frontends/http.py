@@ -14,7 +14,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and ``/admin/*`` when
 the app has an admin hook and admin keys are set.  ``/v1/*`` needs an API key
 when any is configured; ``/health`` and ``/metrics`` are open (as in vLLM).
-Errors map to HTTP in :mod:`.http_errors`; settings and the app protocol live
+Errors map to HTTP in :mod:`epd_actors.openai.errors`; settings and the app protocol live
 in :mod:`.http_app`; docs/http.md is the narrative.
 
 Why h11 and not an ASGI server: the front end is on the hot path.  On this

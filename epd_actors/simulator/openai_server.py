@@ -7,7 +7,7 @@ stock ``vllm serve`` instance of that role offers a disaggregating router:
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed or not),
 ``GET /health`` (200 while the engine is ready, else 503), ``GET
 /v1/models`` (the model and its LoRA adapters), ``POST
-/v1/load_lora_adapter`` (:mod:`.sim_lora`) and ``GET /metrics`` (the two gauges of vLLM's Prometheus
+/v1/load_lora_adapter`` (:mod:`.lora`) and ``GET /metrics`` (the two gauges of vLLM's Prometheus
 endpoint a router reads: ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting``, labelled ``engine="0"`` and ``model_name``).
 Bodies go through the router's own OpenAI parser
@@ -423,7 +423,7 @@ class SimOpenAIServer:
         return {"object": "list", "data": self.lora.cards(self.engine.model, unix_time())}
 
     async def _load_lora(self, conn: _Connection, raw: bytes) -> None:
-        """``POST /v1/load_lora_adapter``: 200 and vLLM's text, or 400 (see :mod:`.sim_lora`)."""
+        """``POST /v1/load_lora_adapter``: 200 and vLLM's text, or 400 (see :mod:`.lora`)."""
         entry = self.log.add({"path": LOAD_LORA_PATH, "status": None})
         try:
             answer = self.lora.load(json.loads(raw), self.engine.model)

@@ -31,8 +31,8 @@ back until the usage chunk or ``[DONE]`` arrives and emits one terminal delta
 with both.  Every event parsed from one network read is merged into a single
 delta, so a burst of tokens costs the router one hand-off, not one per token.
 
-Nothing here does I/O: :mod:`.openai_http` sends the calls, through
-:mod:`.openai_http_client`.
+Nothing here does I/O: :mod:`epd_actors.backends.openai_http.backend` sends the calls, through
+:mod:`epd_actors.http.client`.
 """
 
 from __future__ import annotations
