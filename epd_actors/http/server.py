@@ -42,7 +42,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, TypeAlias
+from typing import TYPE_CHECKING, Final, NoReturn, TypeAlias
 
 import h11
 import trio
@@ -327,7 +327,7 @@ class HttpServer:
         *,
         handler_nursery: trio.Nursery | None = None,
         task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
+    ) -> NoReturn:
         """Serve ``listeners`` until cancelled; reports the listeners once accepting.
 
         Cancellation: stops accepting and cancels every connection.
