@@ -74,11 +74,11 @@ import trio
 from ..addresses import parse_address
 from ..errors import ConfigError, EngineCrashed, EngineError, InvalidRequest
 from ..http.server import ClientGone, HttpResponse, HttpServer, ServerLimits
+from ..http.sse import DONE_EVENT, encode_event
 from ..limits import CLEANUP_TIMEOUT_S
 from ..lora import LOAD_LORA_PATH
 from ..openai.fields import TRANSFER_FIELDS, FieldPolicy
 from ..openai.format import (
-    DONE_EVENT,
     AnswerBuilder,
     error_body,
     logprobs_body,
@@ -726,7 +726,7 @@ class _ChunkWriter:
 
 
 def _sse(obj: object) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return encode_event(json.dumps(obj, separators=(",", ":"))).encode()
 
 
 def _error_answer(
