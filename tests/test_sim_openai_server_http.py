@@ -12,6 +12,8 @@ from epd_actors.simulator.engine import SimConfig, SimEngine
 from epd_actors.simulator.openai_server import OpenAIServerSettings, SimOpenAIServer
 from epd_actors.simulator.store import create_sim_stores
 
+from .http_wire import exchange
+
 QUICK = SimConfig(encode_item_s=0.0, prefill_token_s=0.0, first_token_s=0.0, output_token_s=0.0)
 
 
@@ -28,16 +30,7 @@ def double(config: SimConfig = QUICK, **settings: object) -> SimOpenAIServer:
 
 
 async def answer_to(server: SimOpenAIServer, data: bytes) -> tuple[bytes, bytes]:
-    client, stream = trio.testing.memory_stream_pair()
-    raw = b""
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.handle_connection, stream)
-            await client.send_all(data)
-            await client.send_eof()
-            while chunk := await client.receive_some(65536):
-                raw += chunk
-    head, _, body = raw.partition(b"\r\n\r\n")
+    head, _, body = (await exchange(server.http, data)).partition(b"\r\n\r\n")
     return head, body
 
 
