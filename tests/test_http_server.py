@@ -83,6 +83,34 @@ async def test_an_oversized_body_is_answered_413_without_calling_the_handler() -
     assert handler.requests == []
 
 
+async def test_a_declared_length_over_the_limit_is_413_before_the_body() -> None:
+    handler = Recorder()
+    data = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n"
+    answers = responses(await exchange(HttpServer(handler, LIMITS), data, eof=False))
+    assert [(s, h["connection"]) for s, h, _ in answers] == [(413, "close")]
+    assert handler.requests == []
+
+
+async def test_a_client_expecting_100_continue_is_told_to_go_on() -> None:
+    handler = Recorder()
+    server = HttpServer(handler, LIMITS)
+    client, stream = trio.testing.memory_stream_pair()
+    head = b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nexpect: 100-continue\r\n\r\n"
+    raw = b""
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.handle_connection, stream)
+            await client.send_all(head)
+            while b"\r\n\r\n" not in raw:
+                raw += await client.receive_some(65536)
+            assert raw.startswith(b"HTTP/1.1 100 ")
+            await client.send_all(b"ok")
+            await client.send_eof()
+            while chunk := await client.receive_some(65536):
+                raw += chunk
+    assert raw.endswith(b"echo:ok")
+
+
 async def test_a_body_cut_short_by_the_clients_eof_is_400_and_not_handled() -> None:
     handler = Recorder()
     data = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 40\r\n\r\nonly part"

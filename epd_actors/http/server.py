@@ -11,8 +11,10 @@ after another:
    ``max_header_bytes`` (h11's ``max_incomplete_event_size``: 431).  A head
    h11 cannot parse is answered with h11's status hint (400) and closes;
 2. the *body*, read in full under ``body_timeout_s`` (408) and bounded by
-   ``max_body_bytes`` (413 as soon as the bytes pass it, so a large body is
-   never buffered).  A client that leaves mid-body ends the connection;
+   ``max_body_bytes`` (413 for a larger declared ``Content-Length`` before any
+   of it is read, or as soon as the bytes pass it, so a large body is never
+   buffered); a client that sent ``Expect: 100-continue`` is told to go on
+   first.  A client that leaves mid-body ends the connection;
 3. the *handler* (:data:`Handler`), called with the :class:`HttpRequest` and
    the request's :class:`Responder`: it returns an :class:`HttpResponse`
    (the shell writes it in one ``send_all``) or streams one itself
@@ -373,7 +375,7 @@ class HttpServer:
                     event = await _next_event(stream, connection)
                 if not isinstance(event, h11.Request):
                     return
-                body = await self._read_body(stream, connection)
+                body = await self._read_body(stream, connection, event)
             except h11.RemoteProtocolError as exc:
                 await self._refuse(stream, connection, exc.error_status_hint, f"bad request: {exc}")
                 return
@@ -419,8 +421,18 @@ class HttpServer:
             return False
         return True
 
-    async def _read_body(self, stream: trio.abc.Stream, connection: h11.Connection) -> bytes | None:
+    async def _read_body(
+        self, stream: trio.abc.Stream, connection: h11.Connection, request: h11.Request
+    ) -> bytes | None:
         limit = self.limits.max_body_bytes
+        for name, value in request.headers:
+            if name == b"content-length" and int(value) > limit:  # h11 checked the digits
+                raise _Refusal(413, f"the request body exceeds {limit} bytes")
+        if connection.they_are_waiting_for_100_continue:
+            go_on = h11.InformationalResponse(status_code=100, headers=[])
+            await Responder(stream, connection, self.limits, head_only=False)._write(
+                connection.send(go_on) or b""
+            )
         chunks: list[bytes] = []
         size = 0
         with trio.move_on_after(self.limits.body_timeout_s):
