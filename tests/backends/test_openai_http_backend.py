@@ -40,8 +40,6 @@ from epd_actors.backends.openai_http.contract import (
     COMPLETIONS_PATH,
     DeltaParser,
     ReplyError,
-    SseDecoder,
-    SseEvent,
     StreamFailed,
     openai_request,
     prefill_body,
@@ -62,6 +60,7 @@ from epd_actors.errors import (
     WorkerDisconnected,
 )
 from epd_actors.frontends.http_app import RouterHttpApp
+from epd_actors.http.sse import SseDecoder, SseEvent
 from epd_actors.openai.fields import FieldPolicy
 from epd_actors.openai.media import MediaLimits
 from epd_actors.openai.schema import parse_chat_completion

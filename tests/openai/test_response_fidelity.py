@@ -20,11 +20,12 @@ import pytest
 import trio
 
 from epd_actors.backends.openai_http.backend import OpenAIHttpSettings
-from epd_actors.backends.openai_http.contract import DeltaParser, SseDecoder
+from epd_actors.backends.openai_http.contract import DeltaParser
 from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint
 from epd_actors.core.router import DefaultBackendFactory, open_router
 from epd_actors.frontends.http import RouterHttpApp
 from epd_actors.frontends.ws_messages import delta_messages
+from epd_actors.http.sse import SseDecoder
 from epd_actors.protocol import Role, TokenLogprob
 from epd_actors.request import DeltaEvent
 from epd_actors.simulator.engine import SimEngine

@@ -169,7 +169,7 @@ def test_bodies_and_targets() -> None:
     target = Target.from_url("http://127.0.0.1:9/v1/", "/v1/completions", api_key="k")
     assert (target.host, target.port, target.path) == ("127.0.0.1", 9, "/v1/completions")
     assert target.url == "http://127.0.0.1:9/v1/completions"  # the title's, not /v1/v1/...
-    assert ("Authorization", "Bearer k") in target.headers(3)
+    assert ("Authorization", "Bearer k") in target.headers()
     with pytest.raises(ValueError, match="http"):
         Target.from_url("https://x", "/v1/completions")
 

@@ -29,7 +29,7 @@ def registry_with_a_gauge() -> prometheus_client.CollectorRegistry:
 async def ask(request: bytes, registry: prometheus_client.CollectorRegistry) -> bytes:
     client, server = trio.testing.memory_stream_pair()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(metrics_http._answer, server, registry)
+        nursery.start_soon(metrics_http.registry_server(registry).handle_connection, server)
         await client.send_all(request)
         answer = b""
         with trio.fail_after(5):
@@ -64,17 +64,23 @@ async def test_other_paths_and_methods_are_refused(request_bytes: bytes, status:
     assert b"vllm:num_requests_running" not in answer
 
 
-async def test_garbage_and_oversized_heads_close_the_connection_without_an_answer() -> None:
+async def test_garbage_and_oversized_heads_are_refused_and_close_the_connection() -> None:
     registry = registry_with_a_gauge()
-    for request in (b"\x00\x01 not http\r\n\r\n", b"GET /metrics HTTP/1.1\r\nx: " + b"a" * 20000):
+    garbage = b"\x00\x01 not http\r\n\r\n"
+    oversized = b"GET /metrics HTTP/1.1\r\nx: " + b"a" * 20000
+    for request, status in ((garbage, b"400"), (oversized, b"431")):
         client, server = trio.testing.memory_stream_pair()
+        answer = b""
         with trio.fail_after(5):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(metrics_http._answer, server, registry)
+                nursery.start_soon(metrics_http.registry_server(registry).handle_connection, server)
                 await client.send_all(request)
                 await client.send_eof()
-            await server.aclose()
-            assert await client.receive_some(65536) == b""
+                while chunk := await client.receive_some(65536):
+                    answer += chunk
+        assert answer.startswith(b"HTTP/1.1 " + status)
+        assert b"connection: close" in answer.lower()
+        assert b"vllm:num_requests_running" not in answer
 
 
 @pytest.mark.processes

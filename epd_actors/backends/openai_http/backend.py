@@ -108,6 +108,7 @@ from ...http.client import (
     Response,
     WorkerHttpClient,
 )
+from ...http.sse import SseDecoder
 from ...limits import CLEANUP_TIMEOUT_S
 from ...lora import LOAD_LORA_PATH, AdapterLoads, listed_adapters
 from ...protocol import EncodeRequest, ErrorCode, StageResult
@@ -117,7 +118,6 @@ from .contract import (
     DeltaParser,
     HttpCall,
     ReplyError,
-    SseDecoder,
     StreamFailed,
     consume_body,
     encode_call,
