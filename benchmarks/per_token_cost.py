@@ -13,7 +13,10 @@ chunk.  This times each of them in a loop (``timeit``, the best of
   ``SseDecoder`` and ``DeltaParser``: fed one event per call (a read per token,
   as in a paced stream) and all at once (one read for the stream);
 * ``SSE chunk framing``: one rendered delta framed as an HTTP/1.1 chunk by
-  ``h11.Data`` and by the front end's own framer, when this checkout has one.
+  ``h11.Data`` and by the front end's own framer, when this checkout has one;
+* ``relay a delta``: one one-token delta through the output relay to a caller
+  that takes it directly (``OutputRelay.offer``, as the backend's reader calls
+  it), with the per-request inter-token gap record when this checkout has one.
 
 To compare checkouts, run it from each with ``PYTHONPATH`` pointing at that
 checkout (the machine is shared, so run them back to back, twice)::
@@ -30,8 +33,10 @@ import timeit
 from typing import TYPE_CHECKING
 
 import h11
+import trio
 
 from epd_actors.backends.openai_http.contract import DeltaParser, SseDecoder
+from epd_actors.core.output_relay import OutputRelay
 from epd_actors.protocol import Delta, decode_body, encode
 from epd_actors.protocol.codec import HEADER
 
@@ -64,6 +69,32 @@ def vllm_event(index: int, finish: str | None = None) -> bytes:
         ],
     }
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+class _Progress:
+    first_token_at: float | None = None
+    completion_tokens = 0
+
+
+def relay_us(number: int, repeat: int) -> float:
+    """Microseconds per one-token delta through ``OutputRelay.offer`` (inside Trio)."""
+
+    async def measure() -> float:
+        send, _receive = trio.open_memory_channel[object](1)
+        relay = OutputRelay(send, _Progress(), 10.0, lambda event: True, **gap_record())  # type: ignore[arg-type]
+        delta = Delta("r", token_ids=(1234,), text=" token")
+        return per_item(lambda: relay.offer(delta), 1, number, repeat)
+
+    return trio.run(measure)
+
+
+def gap_record() -> dict[str, object]:
+    """The relay's inter-token gap record, as the supervisor passes it, where there is one."""
+    try:
+        from epd_actors.core.token_gaps import TokenGaps
+    except ImportError:
+        return {}
+    return {"gaps": TokenGaps()}
 
 
 def main() -> None:
@@ -113,6 +144,7 @@ def main() -> None:
     connection.send(h11.Response(status_code=200, headers=[]))
     h11_us = per_item(lambda: connection.send(h11.Data(data=piece)), 1, number, repeat)
     print(f"SSE chunk framing     {h11_us:6.2f} µs   (h11.Data)")
+    print(f"relay a delta         {relay_us(number, repeat):6.2f} µs   (OutputRelay.offer, direct)")
     try:
         from epd_actors.http.body import body_framer
     except ImportError:

@@ -48,6 +48,7 @@ from ..request import DeltaEvent, GenerationEvent
 if TYPE_CHECKING:
     from ..protocol import Delta
     from ..request import DirectDeltas
+    from .token_gaps import TokenGaps
 
 
 def delta_event(delta: Delta) -> DeltaEvent:
@@ -73,11 +74,14 @@ class OutputRelay:
         inter_token_s: the inter-token timeout the deadline is moved by.
         direct: the caller's offer to take deltas itself (see
             :data:`~epd_actors.request.DirectDeltas`), tried before the channel.
+        gaps: where the gaps between output tokens are counted (the request's
+            :class:`~.token_gaps.TokenGaps`), if anywhere.
     """
 
     __slots__ = (
         "_direct",
         "_events",
+        "_gaps",
         "_inter_token_s",
         "_progress",
         "attempt",
@@ -95,8 +99,10 @@ class OutputRelay:
         progress: OutputProgress,
         inter_token_s: float,
         direct: DirectDeltas | None = None,
+        gaps: TokenGaps | None = None,
     ) -> None:
         self._direct = direct
+        self._gaps = gaps
         self._events = events
         self._progress = progress
         self._inter_token_s = inter_token_s
@@ -206,6 +212,10 @@ class OutputRelay:
 
     def _count(self, delta: Delta) -> None:
         progress = self._progress
+        now = trio.current_time()
         if progress.first_token_at is None:
-            progress.first_token_at = trio.current_time()
-        progress.completion_tokens += len(delta.token_ids)
+            progress.first_token_at = now
+        tokens = len(delta.token_ids)
+        progress.completion_tokens += tokens
+        if tokens and self._gaps is not None:
+            self._gaps.add(now, tokens)
