@@ -277,6 +277,16 @@ class _StateCollector(Collector):
             "Times the worker was refused for what it announced",
             labels=["stage", "worker"],
         )
+        jobs = CounterMetricFamily(
+            "epd_worker_jobs",
+            "Jobs given to the worker (leases granted)",
+            labels=["stage", "worker"],
+        )
+        failures = CounterMetricFamily(
+            "epd_worker_job_failures",
+            "Jobs of the worker that failed on the worker's side",
+            labels=["stage", "worker"],
+        )
         connected = GaugeMetricFamily(
             "epd_worker_connected", "1 while the worker is connected", labels=["stage", "worker"]
         )
@@ -297,6 +307,8 @@ class _StateCollector(Collector):
                 aborts.add_metric([stage, member.worker_id], member.aborts_sent)
                 refused.add_metric([stage, member.worker_id], float(member.refused is not None))
                 refusals.add_metric([stage, member.worker_id], member.refusals)
+                jobs.add_metric([stage, member.worker_id], member.served)
+                failures.add_metric([stage, member.worker_id], member.failures)
                 connected.add_metric([stage, member.worker_id], float(member.connected))
                 draining.add_metric([stage, member.worker_id], float(member.draining))
                 for state in BreakerState:
@@ -326,4 +338,4 @@ class _StateCollector(Collector):
             restarts.add_metric([stage], count)
         yield from (pool_in_flight, pool_usable, worker_in_flight, worker_up, in_flight, restarts)
         yield from (retries, queued, admission_refusals, aborts, refused, refusals)
-        yield from (connected, draining, breaker)
+        yield from (connected, draining, breaker, jobs, failures)
