@@ -16,7 +16,9 @@ chunk.  This times each of them in a loop (``timeit``, the best of
   ``h11.Data`` and by the front end's own framer, when this checkout has one;
 * ``relay a delta``: one one-token delta through the output relay to a caller
   that takes it directly (``OutputRelay.offer``, as the backend's reader calls
-  it), with the per-request inter-token gap record when this checkout has one.
+  it), with the per-request inter-token gap record when this checkout has one;
+  and the Python and C function calls it makes per delta (``sys.setprofile``),
+  a count the machine's load does not move.
 
 To compare checkouts, run it from each with ``PYTHONPATH`` pointing at that
 checkout (the machine is shared, so run them back to back, twice)::
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import timeit
 from typing import TYPE_CHECKING
 
@@ -88,6 +91,31 @@ def relay_us(number: int, repeat: int) -> float:
     return trio.run(measure)
 
 
+def relay_calls(deltas: int = 1000) -> tuple[float, float]:
+    """Python and C function calls per one-token delta through ``OutputRelay.offer``."""
+
+    async def count() -> tuple[float, float]:
+        send, _receive = trio.open_memory_channel[object](1)
+        relay = OutputRelay(send, _Progress(), 10.0, lambda event: True, **gap_record())  # type: ignore[arg-type]
+        delta = Delta("r", token_ids=(1234,), text=" token")
+        relay.offer(delta)  # the first delta: no gap yet
+        calls = {"call": 0, "c_call": 0}
+
+        def profile(frame: object, event: str, arg: object) -> None:
+            if event in calls:
+                calls[event] += 1
+
+        sys.setprofile(profile)
+        try:
+            for _ in range(deltas):
+                relay.offer(delta)
+        finally:
+            sys.setprofile(None)
+        return calls["call"] / deltas, calls["c_call"] / deltas
+
+    return trio.run(count)
+
+
 def gap_record() -> dict[str, object]:
     """The relay's inter-token gap record, as the supervisor passes it, where there is one."""
     try:
@@ -145,6 +173,8 @@ def main() -> None:
     h11_us = per_item(lambda: connection.send(h11.Data(data=piece)), 1, number, repeat)
     print(f"SSE chunk framing     {h11_us:6.2f} µs   (h11.Data)")
     print(f"relay a delta         {relay_us(number, repeat):6.2f} µs   (OutputRelay.offer, direct)")
+    python_calls, c_calls = relay_calls()
+    print(f"relay a delta         {python_calls:6.1f} Python calls, {c_calls:.1f} C calls")
     try:
         from epd_actors.http.body import body_framer
     except ImportError:

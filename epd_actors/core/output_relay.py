@@ -145,6 +145,7 @@ class OutputRelay:
         """
         if self.closed:
             return True
+        now = None  # when the delta was counted, if it was
         if delta.token_ids or delta.text or delta.fields:
             event = delta_event(delta)
             direct = self._direct
@@ -156,8 +157,8 @@ class OutputRelay:
                 except trio.BrokenResourceError:
                     self.caller_left = True
                     raise
-            self._count(delta)
-        self._progressed()
+            now = self._count(delta)
+        self._progressed(now)
         return True
 
     async def put(self, delta: Delta) -> None:
@@ -173,6 +174,7 @@ class OutputRelay:
         if self.closed:
             await trio.lowlevel.checkpoint()
             return
+        now = None
         if delta.token_ids or delta.text or delta.fields:
             self.waiting_for_caller = True
             try:
@@ -182,10 +184,10 @@ class OutputRelay:
                 raise
             finally:
                 self.waiting_for_caller = False
-            self._count(delta)
+            now = self._count(delta)
         else:
             await trio.lowlevel.checkpoint()
-        self._progressed()
+        self._progressed(now)
 
     def sink(self, delta: Delta) -> bool:
         """:meth:`offer` for a task that is not the job's and must not fail.
@@ -200,8 +202,10 @@ class OutputRelay:
         except trio.BrokenResourceError:
             return False
 
-    def _progressed(self) -> None:
-        now = self.last_delta_at = trio.current_time()
+    def _progressed(self, now: float | None) -> None:
+        if now is None:
+            now = trio.current_time()
+        self.last_delta_at = now
         if not self.relayed:
             self.relayed = True
             # The inter-token deadline may come before the first-token one.
@@ -210,7 +214,8 @@ class OutputRelay:
             if self.attempt is not None:  # the output started: no first-token deadline
                 self.attempt.deadline = math.inf
 
-    def _count(self, delta: Delta) -> None:
+    def _count(self, delta: Delta) -> float:
+        """Count ``delta``'s tokens; return the time it was counted at (now)."""
         progress = self._progress
         now = trio.current_time()
         if progress.first_token_at is None:
@@ -219,3 +224,4 @@ class OutputRelay:
         progress.completion_tokens += tokens
         if tokens and self._gaps is not None:
             self._gaps.add(now, tokens)
+        return now
