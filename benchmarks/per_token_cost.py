@@ -13,7 +13,12 @@ chunk.  This times each of them in a loop (``timeit``, the best of
   ``SseDecoder`` and ``DeltaParser``: fed one event per call (a read per token,
   as in a paced stream) and all at once (one read for the stream);
 * ``SSE chunk framing``: one rendered delta framed as an HTTP/1.1 chunk by
-  ``h11.Data`` and by the front end's own framer, when this checkout has one.
+  ``h11.Data`` and by the front end's own framer, when this checkout has one;
+* ``relay a delta``: one one-token delta through the output relay to a caller
+  that takes it directly (``OutputRelay.offer``, as the backend's reader calls
+  it), with the per-request inter-token gap record when this checkout has one;
+  and the Python and C function calls it makes per delta (``sys.setprofile``),
+  a count the machine's load does not move.
 
 To compare checkouts, run it from each with ``PYTHONPATH`` pointing at that
 checkout (the machine is shared, so run them back to back, twice)::
@@ -26,12 +31,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import timeit
 from typing import TYPE_CHECKING
 
 import h11
+import trio
 
 from epd_actors.backends.openai_http.contract import DeltaParser
+from epd_actors.core.output_relay import OutputRelay
 from epd_actors.http.sse import SseDecoder
 from epd_actors.protocol import Delta, decode_body, encode
 from epd_actors.protocol.codec import HEADER
@@ -65,6 +73,57 @@ def vllm_event(index: int, finish: str | None = None) -> bytes:
         ],
     }
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+class _Progress:
+    first_token_at: float | None = None
+    completion_tokens = 0
+
+
+def relay_us(number: int, repeat: int) -> float:
+    """Microseconds per one-token delta through ``OutputRelay.offer`` (inside Trio)."""
+
+    async def measure() -> float:
+        send, _receive = trio.open_memory_channel[object](1)
+        relay = OutputRelay(send, _Progress(), 10.0, lambda event: True, **gap_record())  # type: ignore[arg-type]
+        delta = Delta("r", token_ids=(1234,), text=" token")
+        return per_item(lambda: relay.offer(delta), 1, number, repeat)
+
+    return trio.run(measure)
+
+
+def relay_calls(deltas: int = 1000) -> tuple[float, float]:
+    """Python and C function calls per one-token delta through ``OutputRelay.offer``."""
+
+    async def count() -> tuple[float, float]:
+        send, _receive = trio.open_memory_channel[object](1)
+        relay = OutputRelay(send, _Progress(), 10.0, lambda event: True, **gap_record())  # type: ignore[arg-type]
+        delta = Delta("r", token_ids=(1234,), text=" token")
+        relay.offer(delta)  # the first delta: no gap yet
+        calls = {"call": 0, "c_call": 0}
+
+        def profile(frame: object, event: str, arg: object) -> None:
+            if event in calls:
+                calls[event] += 1
+
+        sys.setprofile(profile)
+        try:
+            for _ in range(deltas):
+                relay.offer(delta)
+        finally:
+            sys.setprofile(None)
+        return calls["call"] / deltas, calls["c_call"] / deltas
+
+    return trio.run(count)
+
+
+def gap_record() -> dict[str, object]:
+    """The relay's inter-token gap record, as the supervisor passes it, where there is one."""
+    try:
+        from epd_actors.core.token_gaps import TokenGaps
+    except ImportError:
+        return {}
+    return {"gaps": TokenGaps()}
 
 
 def main() -> None:
@@ -114,6 +173,9 @@ def main() -> None:
     connection.send(h11.Response(status_code=200, headers=[]))
     h11_us = per_item(lambda: connection.send(h11.Data(data=piece)), 1, number, repeat)
     print(f"SSE chunk framing     {h11_us:6.2f} µs   (h11.Data)")
+    print(f"relay a delta         {relay_us(number, repeat):6.2f} µs   (OutputRelay.offer, direct)")
+    python_calls, c_calls = relay_calls()
+    print(f"relay a delta         {python_calls:6.1f} Python calls, {c_calls:.1f} C calls")
     try:
         from epd_actors.http.body import body_framer
     except ImportError:

@@ -70,7 +70,7 @@ CHAT = {
 
 
 async def scrape_router() -> str:
-    """``GET /metrics`` of a live E+P+D router (encoder reuse on) after one chat request."""
+    """``GET /metrics`` of a live E+P+D router (encoder reuse on, WebSocket on) after one chat."""
     fleet = build_sim_fleet({"encode": 1, "prefill": 1, "decode": 1})
     routed = fleet.router_config()
     reuse = EncoderReuse(mode="ttl")  # so the encoder-cache families have series
@@ -78,7 +78,8 @@ async def scrape_router() -> str:
         replace(pool, encoder_reuse=reuse) if pool.stage == "encode" else pool
         for pool in routed.pools
     )
-    config = FileConfig(replace(routed, pools=pools), ServerConfig("127.0.0.1:0"))
+    server = ServerConfig("127.0.0.1:0", ws_listen="127.0.0.1:0")
+    config = FileConfig(replace(routed, pools=pools), server)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         start = partial(serve_router, config, stop=stop, backend_factory=fleet.backend_factory)

@@ -8,21 +8,46 @@ worker, worker health, actor queues, restarts) are read from the router's
 statistics at scrape time by a custom collector, so they cost nothing between
 scrapes.
 
-Inter-token latency is observed once per request as its mean gap
-((total - TTFT) / (tokens - 1)); observing every token would put a histogram
-update on the streaming hot path.
+Inter-token latency has vLLM's shape: one observation per gap between output
+tokens.  The output relay counts a request's gaps into bucket counts as deltas
+pass (:mod:`.token_gaps`), and :meth:`RouterMetrics.request_finished` adds
+them to the histogram's totals, which a collector exports at scrape time; so
+no histogram is touched per token.
+
+Labels stay bounded: ``stage`` and ``worker`` series of the state gauges are
+read from the pools' current members at each scrape (a worker removed at run
+time has none from then on); ``model`` is the configured model a request
+resolved to (never the string a client sent: an unknown name fails the
+request before it has a model); ``outcome`` is ``done``, ``cancelled`` or an
+error class of the router; ``route`` is a known path or ``other``.
+
+The router's registry also holds prometheus-client's ``ProcessCollector``
+(``process_cpu_seconds_total``, ``process_resident_memory_bytes``, ...), as a
+worker's default registry does.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from .health import BreakerState
 from .lifecycle import Phase
+from .token_gaps import TOKEN_GAP_BUCKETS
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -50,7 +75,6 @@ _LATENCY_BUCKETS = (
     60.0,
     120.0,
 )
-_TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class RouterMetrics:
@@ -78,12 +102,9 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
-        self.inter_token = Histogram(
-            "epd_inter_token_latency_seconds",
-            "Mean gap between output tokens, per request",
-            buckets=_TOKEN_GAP_BUCKETS,
-            registry=registry,
-        )
+        self.inter_token = _TokenGapHistogram()
+        registry.register(self.inter_token)
+        ProcessCollector(registry=registry)
         self.e2e = Histogram(
             "epd_request_duration_seconds",
             "Request received to its last event",
@@ -106,11 +127,24 @@ class RouterMetrics:
         self.output_tokens = Counter(
             "epd_output_tokens", "Output tokens streamed to clients", registry=registry
         )
+        self.prompt_tokens = Counter(
+            "epd_prompt_tokens",
+            "Prompt tokens of finished requests, by configured model",
+            ["model"],
+            registry=registry,
+        )
+        self.generation_tokens = Counter(
+            "epd_generation_tokens",
+            "Output tokens generated, by configured model",
+            ["model"],
+            registry=registry,
+        )
         # Labelled children, looked up once each (``labels()`` takes a lock
         # and builds its key on every call); created on first use as before.
         self._http_children: dict[tuple[str, int], Counter] = {}
         self._outcome_children: dict[str, Counter] = {}
         self._stage_children: dict[str, Histogram] = {}
+        self._model_children: dict[str | None, tuple[Counter, Counter]] = {}
         if statistics is not None:
             self.watch(statistics)
 
@@ -146,15 +180,65 @@ class RouterMetrics:
                 stage_child = self._stage_children[stage] = self.stage_duration.labels(stage)
             stage_child.observe(seconds)
         self.output_tokens.inc(outcome.completion_tokens)
+        if outcome.prompt_tokens or outcome.completion_tokens:
+            prompt, generation = self._model_counters(outcome.model)
+            prompt.inc(outcome.prompt_tokens)
+            generation.inc(outcome.completion_tokens)
         if timings.ttft_s is not None:
             self.ttft.observe(timings.ttft_s)
-            if outcome.completion_tokens > 1:
-                gap = (timings.total_s - timings.ttft_s) / (outcome.completion_tokens - 1)
-                self.inter_token.observe(gap)
+        if outcome.token_gaps is not None:
+            self.inter_token.add(outcome.token_gaps.counts, outcome.token_gaps.total_s)
+
+    def _model_counters(self, model: str | None) -> tuple[Counter, Counter]:
+        """The token counters of ``model`` (a configured model; None: pools name none)."""
+        children = self._model_children.get(model)
+        if children is None:
+            label = model or ""
+            children = self._model_children[model] = (
+                self.prompt_tokens.labels(label),
+                self.generation_tokens.labels(label),
+            )
+        return children
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return bytes(generate_latest(self.registry))
+
+
+class _TokenGapHistogram(Collector):
+    """``epd_inter_token_latency_seconds``: the gaps of finished requests, summed.
+
+    Requests' bucket counts (:class:`~.token_gaps.TokenGaps`) are added here
+    once each; a scrape makes them cumulative.
+    """
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(TOKEN_GAP_BUCKETS) + 1)
+        self.total_s = 0.0
+
+    def add(self, counts: list[int], total_s: float) -> None:
+        """Add one request's gaps (``counts`` per bucket, not cumulative)."""
+        totals = self.counts
+        for index, count in enumerate(counts):
+            if count:
+                totals[index] += count
+        self.total_s += total_s
+
+    def describe(self) -> list[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        buckets: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*TOKEN_GAP_BUCKETS, None), self.counts, strict=True):
+            running += count
+            buckets.append(("+Inf" if bound is None else repr(bound), running))
+        yield HistogramMetricFamily(
+            "epd_inter_token_latency_seconds",
+            "Gaps between output tokens, one observation per gap",
+            buckets=buckets,
+            sum_value=self.total_s,
+        )
 
 
 class _StateCollector(Collector):
@@ -193,6 +277,16 @@ class _StateCollector(Collector):
             "Times the worker was refused for what it announced",
             labels=["stage", "worker"],
         )
+        jobs = CounterMetricFamily(
+            "epd_worker_jobs",
+            "Jobs given to the worker (leases granted)",
+            labels=["stage", "worker"],
+        )
+        failures = CounterMetricFamily(
+            "epd_worker_job_failures",
+            "Jobs of the worker that failed on the worker's side",
+            labels=["stage", "worker"],
+        )
         connected = GaugeMetricFamily(
             "epd_worker_connected", "1 while the worker is connected", labels=["stage", "worker"]
         )
@@ -213,6 +307,8 @@ class _StateCollector(Collector):
                 aborts.add_metric([stage, member.worker_id], member.aborts_sent)
                 refused.add_metric([stage, member.worker_id], float(member.refused is not None))
                 refusals.add_metric([stage, member.worker_id], member.refusals)
+                jobs.add_metric([stage, member.worker_id], member.served)
+                failures.add_metric([stage, member.worker_id], member.failures)
                 connected.add_metric([stage, member.worker_id], float(member.connected))
                 draining.add_metric([stage, member.worker_id], float(member.draining))
                 for state in BreakerState:
@@ -242,4 +338,4 @@ class _StateCollector(Collector):
             restarts.add_metric([stage], count)
         yield from (pool_in_flight, pool_usable, worker_in_flight, worker_up, in_flight, restarts)
         yield from (retries, queued, admission_refusals, aborts, refused, refusals)
-        yield from (connected, draining, breaker)
+        yield from (connected, draining, breaker, jobs, failures)

@@ -48,6 +48,7 @@ from ..request import DeltaEvent, GenerationEvent
 if TYPE_CHECKING:
     from ..protocol import Delta
     from ..request import DirectDeltas
+    from .token_gaps import TokenGaps
 
 
 def delta_event(delta: Delta) -> DeltaEvent:
@@ -73,11 +74,14 @@ class OutputRelay:
         inter_token_s: the inter-token timeout the deadline is moved by.
         direct: the caller's offer to take deltas itself (see
             :data:`~epd_actors.request.DirectDeltas`), tried before the channel.
+        gaps: where the gaps between output tokens are counted (the request's
+            :class:`~.token_gaps.TokenGaps`), if anywhere.
     """
 
     __slots__ = (
         "_direct",
         "_events",
+        "_gaps",
         "_inter_token_s",
         "_progress",
         "attempt",
@@ -95,8 +99,10 @@ class OutputRelay:
         progress: OutputProgress,
         inter_token_s: float,
         direct: DirectDeltas | None = None,
+        gaps: TokenGaps | None = None,
     ) -> None:
         self._direct = direct
+        self._gaps = gaps
         self._events = events
         self._progress = progress
         self._inter_token_s = inter_token_s
@@ -139,6 +145,7 @@ class OutputRelay:
         """
         if self.closed:
             return True
+        now = None  # when the delta was counted, if it was
         if delta.token_ids or delta.text or delta.fields:
             event = delta_event(delta)
             direct = self._direct
@@ -150,8 +157,8 @@ class OutputRelay:
                 except trio.BrokenResourceError:
                     self.caller_left = True
                     raise
-            self._count(delta)
-        self._progressed()
+            now = self._count(delta)
+        self._progressed(now)
         return True
 
     async def put(self, delta: Delta) -> None:
@@ -167,6 +174,7 @@ class OutputRelay:
         if self.closed:
             await trio.lowlevel.checkpoint()
             return
+        now = None
         if delta.token_ids or delta.text or delta.fields:
             self.waiting_for_caller = True
             try:
@@ -176,10 +184,10 @@ class OutputRelay:
                 raise
             finally:
                 self.waiting_for_caller = False
-            self._count(delta)
+            now = self._count(delta)
         else:
             await trio.lowlevel.checkpoint()
-        self._progressed()
+        self._progressed(now)
 
     def sink(self, delta: Delta) -> bool:
         """:meth:`offer` for a task that is not the job's and must not fail.
@@ -194,8 +202,10 @@ class OutputRelay:
         except trio.BrokenResourceError:
             return False
 
-    def _progressed(self) -> None:
-        now = self.last_delta_at = trio.current_time()
+    def _progressed(self, now: float | None) -> None:
+        if now is None:
+            now = trio.current_time()
+        self.last_delta_at = now
         if not self.relayed:
             self.relayed = True
             # The inter-token deadline may come before the first-token one.
@@ -204,8 +214,14 @@ class OutputRelay:
             if self.attempt is not None:  # the output started: no first-token deadline
                 self.attempt.deadline = math.inf
 
-    def _count(self, delta: Delta) -> None:
+    def _count(self, delta: Delta) -> float:
+        """Count ``delta``'s tokens; return the time it was counted at (now)."""
         progress = self._progress
+        now = trio.current_time()
         if progress.first_token_at is None:
-            progress.first_token_at = trio.current_time()
-        progress.completion_tokens += len(delta.token_ids)
+            progress.first_token_at = now
+        tokens = len(delta.token_ids)
+        progress.completion_tokens += tokens
+        if tokens and self._gaps is not None:
+            self._gaps.add(now, tokens)
+        return now

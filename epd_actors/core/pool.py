@@ -67,7 +67,7 @@ SATURATED_RETRY_AFTER_S = 1.0
 class PoolMember:
     """One worker in a pool."""
 
-    __slots__ = ("backend", "breaker", "drained", "in_flight", "served", "worker_id")
+    __slots__ = ("backend", "breaker", "drained", "failures", "in_flight", "served", "worker_id")
 
     def __init__(self, backend: StageBackend, health: HealthPolicy) -> None:
         self.backend = backend
@@ -75,6 +75,7 @@ class PoolMember:
         self.breaker = CircuitBreaker(health)
         self.in_flight = 0
         self.served = 0
+        self.failures = 0  # leases released with a worker-side failure
         self.drained = False
 
     def __repr__(self) -> str:
@@ -112,6 +113,7 @@ class MemberStatistics:
     refused: str | None = None
     refusals: int = 0
     limit: int = 0
+    failures: int = 0
 
 
 class Lease:
@@ -148,6 +150,7 @@ class Lease:
         if self.verdict is True:
             breaker.record_success()
         elif self.verdict is False:
+            self.member.failures += 1
             breaker.record_failure(trio.current_time())
         else:
             breaker.release_probe()
@@ -251,6 +254,7 @@ class WorkerPool:
                     refused=status.refused,
                     refusals=status.refusals,
                     limit=member.limit(self.max_in_flight_per_worker, status),
+                    failures=member.failures,
                 )
             )
         return out

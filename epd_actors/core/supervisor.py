@@ -97,6 +97,7 @@ from .lifecycle import Lifecycle, Phase
 from .models import ModelCatalog
 from .output_relay import OutputRelay
 from .retry import RetryPolicy
+from .token_gaps import TokenGaps
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping
@@ -145,6 +146,8 @@ class _RequestRecord:
     workers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     first_token_at: float | None = None
     completion_tokens: int = 0
+    token_gaps: TokenGaps = field(default_factory=TokenGaps)
+    model: str | None = None  # the configured model the request resolved to
     finish_reason: str | None = None
     usage: Usage | None = None
     compensations: list[Compensation] = field(default_factory=list)
@@ -177,6 +180,12 @@ class RequestOutcome:
     error: EpdError | None
     timings: RequestTimings
     completion_tokens: int
+    prompt_tokens: int = 0
+    """The prompt's tokens, from the usage the request ended with (0 when it has none)."""
+    model: str | None = None
+    """The configured model the request resolved to (None: unresolved, or pools name none)."""
+    token_gaps: TokenGaps | None = None
+    """The gaps between its output tokens, as histogram bucket counts."""
 
 
 class RequestObserver(Protocol):
@@ -494,6 +503,9 @@ class Supervisor:
             error=record.error,
             timings=record.timings(),
             completion_tokens=record.completion_tokens,
+            prompt_tokens=record.usage.prompt_tokens if record.usage is not None else 0,
+            model=record.model,
+            token_gaps=record.token_gaps,
         )
         if self.observer is not None:
             try:
@@ -545,6 +557,7 @@ class Supervisor:
         self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
     ) -> DoneEvent:
         route = self.route(record.request)
+        record.model = route.model
         plan = [actor for actor in self._plans[route.model] if actor.applies_to(record.request)]
         # Fail fast: a stage whose pool has no usable worker would fail the
         # request anyway, after the stages before it did their work for nothing
@@ -575,7 +588,9 @@ class Supervisor:
             index += 1
         if record.finish_reason is None:
             raise ActorCrashed("the output stage ended without a finish reason")
-        usage = record.usage or Usage(context.prompt_tokens or 0, record.completion_tokens)
+        usage = record.usage = record.usage or Usage(
+            context.prompt_tokens or 0, record.completion_tokens
+        )
         await events.send(UsageEvent(usage))
         return DoneEvent(record.finish_reason, usage, record.timings())
 
@@ -718,7 +733,11 @@ class Supervisor:
         waits: list[float],
     ) -> None:
         relay = OutputRelay(
-            events, record, self.deadlines.inter_token_timeout_s, direct=record.direct
+            events,
+            record,
+            self.deadlines.inter_token_timeout_s,
+            direct=record.direct,
+            gaps=record.token_gaps,
         )
         output = relay if actor.produces_output else None
         avoid = tuple(record.refused) if record.refusal is not None else ()

@@ -98,6 +98,9 @@ _REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _SSE_HEADERS: Final = (("content-type", "text/event-stream"), ("cache-control", "no-cache"))
 _METRICS_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 _PHRASES: Final = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+CLIENT_CLOSED_STATUS: Final = 499
+"""The status counted and logged when the client left before the router chose an
+answer (nginx's "client closed request"); it is never sent."""
 
 
 class Authorizer(Protocol):
@@ -128,9 +131,14 @@ class _Exchange:
     rid: str
     started: float
     route: str = "other"
-    status: int = 0
+    status: int = 0  # the answer's status, once chosen (see ``client_left``)
     sent: int = 0
     served_by: str = "-"  # the workers of each stage, once the generation ended
+
+    def client_left(self) -> None:
+        """The client went away: ``CLIENT_CLOSED_STATUS`` unless an answer was chosen."""
+        if not self.status:
+            self.status = CLIENT_CLOSED_STATUS
 
 
 class HttpConnection:
@@ -233,7 +241,7 @@ class HttpConnection:
         try:
             await self._send_error(exc)
         except ClientGone:
-            pass
+            exchange.client_left()
         finally:
             self._log_exchange(exchange)
 
@@ -251,8 +259,10 @@ class HttpConnection:
             try:
                 await self._send_error(exc)
             except ClientGone:
+                exchange.client_left()
                 self.close_after = True
         except ClientGone:
+            exchange.client_left()
             self.close_after = True
         finally:
             self._log_exchange(exchange)

@@ -98,6 +98,12 @@ MIB: Final = 1024 * 1024
 _PEER_GONE: Final = (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError)
 """How a connection ends when its client resets or closes it at any point."""
 
+WS_STREAM_OUTCOMES: Final = ("done", "error", "cancelled", "closed", "refused")
+"""How a generation ends, as :attr:`WsServer.streams` counts it: its ``done`` or
+``error`` message sent, ``cancelled`` by the client's ``cancel``, its
+connection ``closed`` before its terminal message went out, or ``refused``
+before it started (a duplicate id, or the connection's ``max_generations``)."""
+
 
 class WsApp(Protocol):
     """What the WebSocket front end needs: a router, or anything that generates."""
@@ -275,6 +281,8 @@ class WsServer:
         self.connections: set[WsConnection] = set()
         self.accepted_total = 0
         self.rejected_total = 0
+        self.streams = dict.fromkeys(WS_STREAM_OUTCOMES, 0)
+        """Generations ended, by outcome (``WS_STREAM_OUTCOMES``)."""
         self._api_keys = tuple(key.encode() for key in settings.api_keys)
 
     def __repr__(self) -> str:
@@ -575,6 +583,7 @@ class WsConnection:
         else:
             refusal = self._start(message)
             if refusal is not None:
+                self._server.streams["refused"] += 1
                 await self._outgoing.send(error_message(message.id, refusal))
 
     def _start(self, message: GenerateMessage) -> Exception | None:
@@ -611,20 +620,25 @@ class WsConnection:
         self, message: GenerateMessage, live: _Live, outgoing: trio.MemorySendChannel[str]
     ) -> None:
         """Run one generation; send exactly one terminal message for it."""
+        ended = "closed"  # unless its terminal message goes out
         with outgoing:
             try:
                 with live.scope:
-                    await outgoing.send(await self._outcome(message, outgoing))
+                    text, outcome = await self._outcome(message, outgoing)
+                    await outgoing.send(text)
+                    ended = outcome
                 if live.scope.cancelled_caught:
                     await outgoing.send(cancelled_message(message.id))
+                    ended = "cancelled"
             finally:
                 del self._live[message.id]
+                self._server.streams[ended] += 1
                 self._refresh_idle()
 
     async def _outcome(
         self, message: GenerateMessage, outgoing: trio.MemorySendChannel[str]
-    ) -> str:
-        """Stream ``message``'s deltas; return its terminal message."""
+    ) -> tuple[str, str]:
+        """Stream ``message``'s deltas; return its terminal message and its outcome."""
         try:
             parsed = self._parse(message)
             if parsed.pending:
@@ -632,18 +646,17 @@ class WsConnection:
                     parsed, limits=self._settings.media, fetcher=self._server.fetcher
                 )
         except (EpdError, HttpError) as exc:
-            return error_message(message.id, exc)
+            return error_message(message.id, exc), "error"
         # Nothing may raise inside this block on purpose: the router's nursery
         # would wrap it in an exception group.
         async with self._server.app.generate(self._router_request(parsed)) as events:
             final = await self._stream(message.id, events, outgoing, logprobs=parsed.logprobs)
         if isinstance(final, DoneEvent):
-            return done_message(message.id, final, request_id=parsed.request_id)
+            return done_message(message.id, final, request_id=parsed.request_id), "done"
         if final is None:
-            return error_message(
-                message.id, ActorCrashed("the request ended without a final event")
-            )
-        return error_message(message.id, final.error)
+            crashed = ActorCrashed("the request ended without a final event")
+            return error_message(message.id, crashed), "error"
+        return error_message(message.id, final.error), "error"
 
     def _parse(self, message: GenerateMessage) -> ParsedRequest:
         from ..request import new_request_id

@@ -37,6 +37,7 @@ from ..frontends.admin import RouterAdmin
 from ..frontends.http import serve_http
 from ..frontends.http_app import RouterHttpApp
 from ..frontends.ws import serve_ws
+from ..frontends.ws_metrics import WsCollector
 from ..limits import ACCEPT_BURST
 from .config_file import FileConfig, parse_host_port
 
@@ -217,6 +218,7 @@ async def serve_router(
                         )
                     )
                     ws_address = (ws_host, ws_server.port)
+                    router.metrics.registry.register(WsCollector(ws_server))
                 task_status.started((ServingAddresses(http_address, ws_address), router))
                 await stop.wait()
                 app.draining = True

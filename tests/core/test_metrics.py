@@ -40,7 +40,7 @@ async def test_metrics_follow_requests_and_state() -> None:
     assert values[("epd_stage_duration_seconds_count", (("stage", "decode"),))] == 1.0
     assert values[("epd_stage_duration_seconds_count", (("stage", "prefill"),))] == 1.0
     assert values[("epd_time_to_first_token_seconds_count", ())] == 1.0
-    assert values[("epd_inter_token_latency_seconds_count", ())] == 1.0
+    assert values[("epd_inter_token_latency_seconds_count", ())] == 5.0  # 6 tokens, 5 gaps
     assert values[("epd_worker_healthy", (("stage", "decode"), ("worker", "decode-0")))] == 1.0
     assert values[("epd_worker_healthy", (("stage", "decode"), ("worker", "decode-1")))] == 0.0
     assert values[("epd_pool_usable_workers", (("stage", "decode"),))] == 1.0
