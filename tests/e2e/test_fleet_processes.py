@@ -41,8 +41,16 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
     from pathlib import Path
 
+# A stream whose router is killed leaves httpx's inner async generators (under
+# ``aiter_lines``, which is closed here) to Trio's finalizer, which says so;
+# httpx closes the response and its connection either way.
 pytestmark = [
     pytest.mark.processes,
+    pytest.mark.filterwarnings(r"ignore:Async generator 'httpx\.:ResourceWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:Exception ignored in. <async_generator object"
+        ":pytest.PytestUnraisableExceptionWarning"
+    ),
     pytest.mark.filterwarnings(
         "ignore:Exception ignored in. <function MemoryObject(Send|Receive)Stream.__del__"
         ":pytest.PytestUnraisableExceptionWarning"
@@ -52,7 +60,7 @@ pytestmark = [
 TOKEN = "fleet-token"
 ADMIN = "fleet-admin"
 PREFIX = "e2e"
-SAFETY_S = 60.0
+SAFETY_S = 120.0
 WORKERS = ("pd-0", "pd-1", "pd-2")
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 
@@ -324,7 +332,9 @@ async def test_kill_9_of_one_router_loses_only_its_own_streams(
             streams = Streams()
             async with trio.open_nursery() as nursery:
                 for n in range(9):
-                    await nursery.start(streams.hold, routers[n % 3], f"r{n % 3} s{n}", 150)
+                    # The killed router's streams outlast the kill; the others run to the end.
+                    tokens = 5000 if n % 3 == 1 else 150
+                    await nursery.start(streams.hold, routers[n % 3], f"r{n % 3} s{n}", tokens)
                 routers[1].process.send_signal(signal.SIGKILL)
             assert streams.ended == {
                 f"r{n % 3} s{n}": "broken" if n % 3 == 1 else "done" for n in range(9)
@@ -350,7 +360,7 @@ async def test_redis_killed_and_restarted_under_load_fails_no_request(
         nonlocal done
         async with httpx.AsyncClient(timeout=30) as client:
             for n in range(count):
-                body = {"model": "sim-model", "prompt": f"{tag} {n}", "max_tokens": 8}
+                body = {"model": "sim-model", "prompt": f"{tag} {n}", "max_tokens": 4}
                 response = await client.post(router.url + "/v1/completions", json=body)
                 results.append(response.status_code)
                 done += 1
@@ -359,11 +369,13 @@ async def test_redis_killed_and_restarted_under_load_fails_no_request(
         async with fleet(tmp_path, redis.url) as routers:
             async with trio.open_nursery() as nursery:
                 for n in range(6):
-                    nursery.start_soon(client_loop, routers[n % 3], f"c{n}", 40)
-                await wait_until(lambda: done >= 40)
+                    nursery.start_soon(client_loop, routers[n % 3], f"c{n}", 25)
+                await wait_until(lambda: done >= 25)
+                served = [await members(router) for router in routers]
                 redis.stop()
                 down_at = done
-                await wait_until(lambda: done >= down_at + 60)
+                await wait_until(lambda: done >= down_at + 50)
+                print(f"Redis down from {down_at} to {done} requests done")
                 redis.start()  # empty
                 up_at = done
             for router in routers:  # the discovered workers stayed, and are known again
@@ -372,6 +384,12 @@ async def test_redis_killed_and_restarted_under_load_fails_no_request(
             view = await admin(routers[0], "GET", "/admin/routers")
             assert view["store_up"]
             assert sorted(r["id"] for r in view["routers"]) == ["r0", "r1", "r2"]
-    print(f"240 requests: Redis killed after {down_at}, restarted after {up_at}")
-    assert len(results) == 240
+            # Never removed while Redis was away: a worker added again would count from 0.
+            assert sum(m["served"] for view in served for m in view.values()) >= 25
+            for router, before in zip(routers, served, strict=True):
+                after = await members(router)
+                for worker_id in WORKERS:
+                    assert after[worker_id]["served"] >= before[worker_id]["served"]
+    print(f"150 requests: Redis killed after {down_at}, restarted after {up_at}")
+    assert len(results) == 150
     assert set(results) == {200}
