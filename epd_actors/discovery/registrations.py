@@ -12,8 +12,8 @@ key                             type    what
                                         ``PX ttl``: gone when ID stops refreshing it
 ``epd:workers:STAGE:MODEL``     set     the ids registered for that pool (an index;
                                         ids whose record expired are removed by the
-                                        next reader), ``PX ttl`` refreshed by each
-                                        worker's refresh
+                                        next reader), ``PX`` ten TTLs, refreshed by
+                                        each worker's refresh
 ==============================  ======  =============================================
 
 A record names the worker's instance (a random token drawn when its process
