@@ -1,7 +1,9 @@
 """Worker discovery: pools kept in step with an outside source (see ``base``).
 
-Importing this package registers the built-in kind, ``kubernetes``
-(:mod:`.kubernetes_kind`; its watch needs the optional ``kubernetes`` extra).
+Importing this package registers the built-in kinds: ``kubernetes``
+(:mod:`.kubernetes_kind`; its watch needs the optional ``kubernetes`` extra)
+and ``redis`` (:mod:`.redis_kind`, workers that register themselves; its
+reader needs the optional ``redis`` extra).
 """
 
 from .base import (
@@ -16,6 +18,7 @@ from .base import (
 )
 from .kubernetes_kind import KubernetesKind
 from .kubernetes_settings import KubernetesPool, KubernetesSettings
+from .redis_kind import RedisDiscoverySettings, RedisKind, RedisPool
 
 __all__ = [
     "DISCOVERY_KINDS",
@@ -25,6 +28,9 @@ __all__ = [
     "KubernetesKind",
     "KubernetesPool",
     "KubernetesSettings",
+    "RedisDiscoverySettings",
+    "RedisKind",
+    "RedisPool",
     "WorkerSink",
     "discovery_kind",
     "open_discovery",

@@ -29,6 +29,12 @@ from ..simulator.openai_server import SimOpenAIServer, serve_openai_process
 from ..worker.engines.vllm_args import add_vllm_arguments
 from ..worker.metrics_http import serve_metrics
 from ..worker.runtime import WorkerConfig, WorkerServer
+from .worker_registration import (
+    Registrar,
+    RegistrationSettings,
+    add_registration_arguments,
+    registration_from_args,
+)
 
 if TYPE_CHECKING:
     import argparse
@@ -94,6 +100,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve the process's Prometheus metrics (with --engine vllm: vLLM's own "
         "vllm:* metrics) on GET /metrics at this address (default: none)",
     )
+    add_registration_arguments(parser)
     add_sim_arguments(parser)
     add_vllm_arguments(parser)
 
@@ -193,29 +200,43 @@ def _run_vllm_worker(args: argparse.Namespace) -> None:
         raise ConfigError("--engine vllm needs --model (a model directory or Hugging Face id)")
     options = vllm_options_from_args(args)
     engine_cli_args(Role(args.role), args.model, options)  # checks the role's connectors
+    registration = registration_from_args(args, role=args.role, model=args.model)
     check_vllm_installed()
-    trio.run(_serve_vllm_worker, args, config, options)
+    trio.run(_serve_vllm_worker, args, config, options, registration)
 
 
 async def _serve_vllm_worker(
-    args: argparse.Namespace, config: WorkerConfig, options: VllmOptions
+    args: argparse.Namespace,
+    config: WorkerConfig,
+    options: VllmOptions,
+    registration: RegistrationSettings | None,
 ) -> None:
     """Start the engine (minutes, for a big model), then bind and serve."""
     from ..worker.engines.vllm import open_vllm_engine
 
     async with open_vllm_engine(Role(args.role), args.model, options) as engine:
         await serve_worker_process(
-            WorkerServer(engine, config), args.listen, metrics_listen=args.metrics_listen
+            WorkerServer(engine, config),
+            args.listen,
+            metrics_listen=args.metrics_listen,
+            registration=registration,
         )
 
 
 async def serve_worker_process(
-    server: WorkerServer, listen: str, *, metrics_listen: str | None = None
+    server: WorkerServer,
+    listen: str,
+    *,
+    metrics_listen: str | None = None,
+    registration: RegistrationSettings | None = None,
 ) -> None:
     """Bind, announce the address, serve; SIGTERM/SIGINT start a drain.
 
     With ``metrics_listen``, the process's Prometheus registry is served there
     too (announced on a second line, ``... metrics on http://HOST:PORT/metrics``).
+    With ``registration``, the worker keeps its registration in Redis from the
+    moment it accepts until it stops (draining while it drains;
+    :mod:`.worker_registration`).
 
     Returns once the drain finished (the metrics endpoint stops with it).
     Cancellation: cancelling this coroutine stops the worker at once (jobs are
@@ -227,7 +248,10 @@ async def serve_worker_process(
         metrics_address = parse_address(metrics_listen, key="--metrics-listen")
         if metrics_address.scheme != "tcp":
             raise ConfigError(f"--metrics-listen: {metrics_listen!r} is not tcp://HOST:PORT")
+    if registration is not None:
+        registration.advertised(address)  # a wildcard without --advertise-address: refused now
     listeners = await open_listeners(address)
+    registrar: Registrar | None = None
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             if metrics_address is not None:
@@ -245,7 +269,16 @@ async def serve_worker_process(
                 f"listening on {bound_address(address, listeners)}",
                 flush=True,
             )
-            nursery.start_soon(_drain_on_signal, server, signals)
+            if registration is not None:
+                bound = bound_address(address, listeners)
+                registrar = Registrar(
+                    registration,
+                    server.config.worker_id,
+                    registration.advertised(bound),
+                    draining=lambda: server.draining,
+                )
+                await nursery.start(registrar.run)
+            nursery.start_soon(_drain_on_signal, server, signals, registrar)
 
 
 async def _serve_until_drained(
@@ -259,19 +292,28 @@ async def _serve_until_drained(
     scope.cancel(reason="worker drained")
 
 
-async def _drain_on_signal(server: WorkerServer, signals: AsyncIterator[int]) -> None:
+async def _drain_on_signal(
+    server: WorkerServer, signals: AsyncIterator[int], registrar: Registrar | None
+) -> None:
     async for signum in signals:
         server.begin_drain(f"received {signal.Signals(signum).name}")
+        if registrar is not None:
+            registrar.wake()
 
 
 def _run_sim_worker(args: argparse.Namespace) -> None:
     """Build the simulated engine and serve the native protocol (``--engine sim``)."""
     server = build_worker(args)
+    registration = registration_from_args(args, role=args.role, model=args.model)
     assert isinstance(server.engine, SimEngine)
     with sim_worker_kv_events(server.engine):
         trio.run(
             functools.partial(
-                serve_worker_process, server, args.listen, metrics_listen=args.metrics_listen
+                serve_worker_process,
+                server,
+                args.listen,
+                metrics_listen=args.metrics_listen,
+                registration=registration,
             )
         )
 
@@ -294,6 +336,8 @@ def run_worker(args: argparse.Namespace) -> int:
     status = 0
     try:
         if getattr(args, "serve_openai", False):
+            if registration_from_args(args, role=args.role, model=args.model) is not None:
+                raise ConfigError("--register is for native workers, not --serve-openai")
             trio.run(serve_openai_process, build_openai_server(args), args.listen)
         else:
             ENGINE_RUNNERS[args.engine](args)

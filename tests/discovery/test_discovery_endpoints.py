@@ -190,10 +190,12 @@ async def test_an_operator_drain_is_not_undone_by_discovery() -> None:
 
 def test_the_registry_of_kinds() -> None:
     assert discovery_kind("kubernetes") is DISCOVERY_KINDS["kubernetes"]
+    assert discovery_kind("redis") is DISCOVERY_KINDS["redis"]
     with pytest.raises(
-        ConfigError, match=r"discovery.kind: unknown discovery kind 'redis' \(known: kubernetes\)"
+        ConfigError,
+        match=r"discovery.kind: unknown discovery kind 'consul' \(known: kubernetes, redis\)",
     ):
-        discovery_kind("redis")
+        discovery_kind("consul")
 
     class Impostor(DiscoveryKind):
         name = "kubernetes"
