@@ -18,7 +18,8 @@ from .base import (
 )
 from .kubernetes_kind import KubernetesKind
 from .kubernetes_settings import KubernetesPool, KubernetesSettings
-from .redis_kind import RedisDiscoverySettings, RedisKind, RedisPool
+from .redis_kind import RedisKind
+from .redis_settings import RedisDiscoverySettings, RedisPool
 
 __all__ = [
     "DISCOVERY_KINDS",

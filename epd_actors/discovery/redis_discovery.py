@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from .endpoints import DiscoveredWorker
-    from .redis_kind import RedisDiscoverySettings, RedisPool
+    from .redis_settings import RedisDiscoverySettings, RedisPool
 
 logger = logging.getLogger(__name__)
 

@@ -25,11 +25,10 @@ from epd_actors.core.config import PoolConfig, RouterConfig
 from epd_actors.discovery.redis_discovery import RedisDiscovery
 from epd_actors.program.worker import AUTH_TOKEN_ENV
 from epd_actors.request import DoneEvent
-
-from .faults.polling import wait_until
-from .fleet.redis_server import RedisServer
-from .test_discovery_kubernetes import Recorder, members
-from .test_discovery_redis import PREFIX, finishes, settings
+from tests.discovery.test_discovery_kubernetes import Recorder, members
+from tests.discovery.test_discovery_redis import PREFIX, finishes, settings
+from tests.faults.polling import wait_until
+from tests.fleet.redis_server import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator

@@ -44,9 +44,8 @@ from epd_actors.request import DoneEvent
 from epd_actors.simulator.engine import SimEngine
 from epd_actors.simulator.store import create_sim_stores
 from epd_actors.testing import sim_config
-
-from .fleet.redis_server import RedisServer
-from .test_discovery_kubernetes import Recorder, members
+from tests.discovery.test_discovery_kubernetes import Recorder, members
+from tests.fleet.redis_server import RedisServer
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
