@@ -49,7 +49,7 @@ from ...errors import AttemptTimeout, ConfigError, EpdError, NoHealthyWorker
 from ...limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, JOB_REPLY_BUFFER
 from ..health import is_backpressure
 from ..retry import RetryPolicy, counts_against_worker
-from ..routing import RouteKey, affinity_for_prompt
+from ..routing import RouteKey, affinity_for_prompt, prompt_tokenizer
 from ..tracing import attempt_span
 from .jobs import Job, StageContext, StageEvent, StageFailure
 
@@ -212,7 +212,9 @@ class BaseActor:
         request = job.context.request
         affinity = request.session_key or _prompt_affinity(request)
         prompt = routed_prompt(request) if policy.uses_prompt else None
-        return RouteKey(job.request_id, affinity, prompt, adapter)
+        tokenizer = prompt_tokenizer(policy)
+        tokens = None if tokenizer is None else tokenizer.token_ids(request)
+        return RouteKey(job.request_id, affinity, prompt, adapter, tokens)
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
         """Do the job on ``backend`` and send its events on ``job.reply``.
