@@ -25,10 +25,10 @@ blocks + decode blocks``, lower is better):
    the prompt's affinity key within ``load_factor`` (``consistent_hash``), so
    several routers agree on where a new prefix goes.
 2. **Cost** per candidate: ``overlap_weight x uncached blocks +
-   load_weight x (in_flight / weight) x mean prompt blocks``.  The router
-   cannot see a worker's active KV blocks; a worker's in-flight calls times
-   the mean prompt size (in blocks) of the calls this policy routed stands in
-   for them.
+   load_weight x (in_flight / weight) x mean prefill blocks``.  The router
+   cannot see a worker's queue; a worker's in-flight calls times the mean
+   prefill work (uncached blocks) of the calls this policy placed stands in
+   for the work ahead of the new call there.
 3. **Power of two among near-equals**: of the candidates whose cost is within
    ``tie_tolerance`` of the best (relative, at least one block), two are drawn
    at random and the cheaper one wins (the less loaded on a tie), so routers
@@ -41,6 +41,7 @@ that falls back finds it warm.  Pure and synchronous; randomness passed in.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from ...errors import ConfigError
@@ -87,18 +88,21 @@ class KVViewConsumer(Protocol):
         ...
 
 
+@dataclass(slots=True)
 class KVAwareStatistics:
-    """Decisions of one :class:`KVAware` by kind (totals since it was built)."""
+    """Decisions of one :class:`KVAware` by kind (totals since it was built).
 
-    __slots__ = ("approximate", "cold", "exact")
+    Attributes:
+        exact: calls decided by the cost over the index.
+        cold: calls with tokens and an exact feed whose prompt no candidate
+            held enough of (rendezvous).
+        approximate: calls without tokens, or without any exact feed among
+            the candidates (``cache_aware``).
+    """
 
-    def __init__(self) -> None:
-        self.exact = 0
-        """Calls decided by the cost over the index."""
-        self.cold = 0
-        """Calls with tokens and an exact feed whose prompt no candidate held enough of."""
-        self.approximate = 0
-        """Calls without tokens, or without any exact feed among the candidates."""
+    exact: int = 0
+    cold: int = 0
+    approximate: int = 0
 
 
 @register_policy
@@ -219,18 +223,21 @@ class KVAware:
             self._record(key, cold.worker_id)
             return cold
         self.stats.exact += 1
-        prompt_blocks_now = total / block
-        self._mean_blocks += (prompt_blocks_now - self._mean_blocks) * (
-            1.0 if self._mean_blocks == 0.0 else 0.05
-        )
+        uncached = {c.worker_id: (total - cached[c.worker_id]) / block for c in candidates}
         costs = {
-            c.worker_id: self.overlap_weight * (total - cached[c.worker_id]) / block
+            c.worker_id: self.overlap_weight * uncached[c.worker_id]
             + self.load_weight * c.in_flight / c.weight * self._mean_blocks
             for c in candidates
         }
         chosen = self._near_equal_choice(candidates, costs)
+        self._note_work(uncached[chosen.worker_id])
         self._record(key, chosen.worker_id)
         return chosen
+
+    def _note_work(self, blocks: float) -> None:
+        """Fold one call's prefill work (uncached blocks) into the running mean."""
+        weight = 1.0 if self.stats.exact == 1 else 0.05
+        self._mean_blocks += (blocks - self._mean_blocks) * weight
 
     def _cached_tokens(
         self,
