@@ -34,17 +34,20 @@ import json
 import random
 import statistics
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import trio
 import trio.testing
 
 from epd_actors import GenerationRequest, Prompt, SamplingParams, open_router
 from epd_actors.core.config import PoolConfig, RouterConfig, WorkerEndpoint
-from epd_actors.core.kv_feeds import KVSourceSpec
 from epd_actors.core.kv_settings import KVEventsSettings
 from epd_actors.request import DeltaEvent, DoneEvent
 from epd_actors.simulator.kv_memory import MemoryKVEventPublisher
 from epd_actors.testing import build_sim_fleet, sim_config
+
+if TYPE_CHECKING:
+    from epd_actors.core.kv_feeds import KVSourceSpec
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
 

@@ -69,10 +69,25 @@ def test_the_worker_holding_the_prefix_gets_the_call() -> None:
     assert chosen.worker_id == "b"
 
 
+def primed(kv: KVAware) -> KVAware:
+    """One cold call of 8 blocks: the mean prefill work per call is 8 blocks from now on."""
+    kv.choose([Candidate("a", 0)], key(tuple(range(900, 932)), 99))
+    assert kv.stats.cold == 1
+    return kv
+
+
+def test_the_first_call_knows_no_load_cost_yet() -> None:
+    view = exact_view("a", "b")
+    view.holds("a", PROMPT[:8])
+    chosen = policy(view).choose([Candidate("a", 3), Candidate("b", 0)], key())
+    assert chosen is not None
+    assert chosen.worker_id == "a"
+
+
 def test_load_outweighs_a_small_cache_advantage() -> None:
     view = exact_view("a", "b")
     view.holds("a", PROMPT[:8])  # 2 blocks saved on a
-    kv = policy(view)
+    kv = primed(policy(view))
     # a: 6 uncached + 3 in flight x 8 blocks; b: 8 uncached + 0.
     chosen = kv.choose([Candidate("a", 3), Candidate("b", 0)], key())
     assert chosen is not None
@@ -84,8 +99,8 @@ def test_a_heavier_load_weight_moves_the_call_off_a_full_hit() -> None:
     view = exact_view("a", "b")
     view.holds("a", PROMPT)
     candidates = [Candidate("a", 2), Candidate("b", 0)]
-    cheap = policy(view, load_weight=0.1).choose(candidates, key())
-    dear = policy(view, load_weight=1.0).choose(candidates, key())
+    cheap = primed(policy(view, load_weight=0.1)).choose(candidates, key())
+    dear = primed(policy(view, load_weight=1.0)).choose(candidates, key())
     assert cheap is not None
     assert cheap.worker_id == "a"
     assert dear is not None

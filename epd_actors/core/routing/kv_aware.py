@@ -124,8 +124,10 @@ class KVAware:
 
     __slots__ = (
         "_approx",
+        "_block",
         "_cold",
         "_mean_blocks",
+        "_noted",
         "_rng",
         "_view",
         "load_weight",
@@ -163,6 +165,8 @@ class KVAware:
         self._rng = rng if rng is not None else random.Random()
         self._view: KVView | None = None
         self._mean_blocks = 0.0
+        self._noted = False
+        self._block = BLOCK_TOKENS  # the engines' block size, once an event told it
         self.stats = KVAwareStatistics()
 
     @classmethod
@@ -220,6 +224,7 @@ class KVAware:
             self.stats.cold += 1
             cold = self._cold.choose(candidates, key)
             assert cold is not None
+            self._note_work((total - cached[cold.worker_id]) / block)
             self._record(key, cold.worker_id)
             return cold
         self.stats.exact += 1
@@ -236,7 +241,8 @@ class KVAware:
 
     def _note_work(self, blocks: float) -> None:
         """Fold one call's prefill work (uncached blocks) into the running mean."""
-        weight = 1.0 if self.stats.exact == 1 else 0.05
+        weight = 0.05 if self._noted else 1.0
+        self._noted = True
         self._mean_blocks += (blocks - self._mean_blocks) * weight
 
     def _cached_tokens(
@@ -251,7 +257,8 @@ class KVAware:
         index = view.index
         matched = index.match(tokens, lora_name=key.adapter, workers=exact)
         sizes = [index.block_size(w) for w in exact]
-        block = next((s for s in sizes if s), BLOCK_TOKENS)
+        block = next((s for s in sizes if s), self._block)
+        self._block = block
         cached: dict[str, float] = {
             w: float(matched[w] * (index.block_size(w) or block)) for w in exact
         }
