@@ -266,3 +266,88 @@ async def test_kv_aware_follows_a_prefix_the_router_never_sent_there() -> None:
         assert router.pools["prefill"].policy.stats.exact == 4  # type: ignore[attr-defined]
         hits = cache.counters().hit_tokens
         assert hits >= 4 * 96
+
+
+class FailingOnce:
+    """A source whose first receive raises (a broken socket), then a good publisher's."""
+
+    def __init__(self, publisher: MemoryKVEventPublisher) -> None:
+        self.publisher = publisher
+        self.failed = False
+
+    async def receive(self):  # type: ignore[no-untyped-def]
+        if not self.failed:
+            self.failed = True
+            await trio.sleep(0)
+            raise OSError("socket broke")
+        return await self.publisher.receive()
+
+    async def replay(self, start_seq: int):  # type: ignore[no-untyped-def]
+        return await self.publisher.replay(start_seq)
+
+
+async def test_a_failing_feed_is_replaced_after_a_backoff_and_never_stops_the_router(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fleet, publishers = kv_fleet(prefill=1)
+    built: list[str] = []
+
+    def flaky(spec: KVSourceSpec):  # type: ignore[no-untyped-def]
+        built.append(spec.worker_id)
+        source = publishers[spec.worker_id]
+        return contextlib.nullcontext(FailingOnce(source) if len(built) == 1 else source)
+
+    async with open_router(
+        kv_config(fleet), backend_factory=fleet.backend_factory, kv_source_factory=flaky
+    ) as router:
+        feeds = router.kv_feeds.pools["prefill"]
+        await trio.testing.wait_all_tasks_blocked()
+        assert feeds.failures == {"prefill-0": 1}
+        assert feeds.state("prefill-0") is FeedState.FALLBACK
+        await generate(router, SYSTEM, 0)  # requests go on meanwhile
+        await trio.sleep(1.5)  # past the first backoff: a new source
+        assert built == ["prefill-0", "prefill-0"]
+        await trio.testing.wait_all_tasks_blocked()
+        assert feeds.state("prefill-0") is FeedState.EXACT  # caught up by replay from 0
+        assert feeds.index.blocks("prefill-0") == 6
+
+
+async def test_the_router_follows_real_zmq_publishers_on_loopback() -> None:
+    """The default source (pyzmq): simulated engines publishing on 127.0.0.1, explicit endpoints."""
+    from epd_actors.simulator.kv_events import SimKVEventPublisher
+
+    fleet = build_sim_fleet(
+        {"prefill": 2, "decode": 1}, configs={"prefill": sim_config(prefix_cache_blocks=1024)}
+    )
+    with contextlib.ExitStack() as stack:
+        endpoints = {}
+        for worker_id in ("prefill-0", "prefill-1"):
+            pub = stack.enter_context(SimKVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"))
+            cache = fleet.engines[worker_id].prefix_cache
+            assert cache is not None
+            cache.sink = pub
+            endpoints[worker_id] = (pub.endpoint, pub.replay_endpoint)
+        prefill = PoolConfig(
+            "prefill",
+            tuple(
+                WorkerEndpoint(w, "unix:/unused", "native", e, r) for w, (e, r) in endpoints.items()
+            ),
+            policy="kv_aware",
+            kv_events=KVEventsSettings(enabled=True),
+        )
+        decode = PoolConfig("decode", (WorkerEndpoint("decode-0", "tcp://127.0.0.1:1"),))
+        async with open_router(
+            RouterConfig((prefill, decode)), backend_factory=fleet.backend_factory
+        ) as router:
+            feeds = router.kv_feeds.pools["prefill"]
+            n = 0
+            while not any(feeds.state(w) is FeedState.EXACT for w in endpoints) and n < 200:
+                await generate(router, SYSTEM + f" q{n}", n)  # a SUB still connecting loses some
+                await trio.sleep(0.02)
+                n += 1
+            holder = next(w for w in endpoints if feeds.state(w) is FeedState.EXACT)
+            await generate(router, SYSTEM + " the real question", 1000)
+            await trio.sleep(0.2)
+            policy = router.pools["prefill"].policy
+            assert policy.stats.exact >= 1  # type: ignore[attr-defined]
+            assert feeds.index.blocks(holder) >= 6

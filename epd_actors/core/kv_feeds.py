@@ -9,7 +9,9 @@ over a source built by the router's :data:`KVSourceFactory` (default:
 :func:`zmq_source`, pyzmq's SUB + DEALER).  The router starts a worker's
 subscriber with the worker (``Router.add_worker``) in its own cancel scope and
 cancels it with the worker (``remove_worker``); a worker without a running
-subscriber reads as ``fallback``.  :class:`PoolKVFeeds` is the view the
+subscriber reads as ``fallback``.  A subscriber whose source fails is logged
+and replaced after a backoff (:meth:`PoolKVFeeds.run`): the feeds never fail
+the router or a request.  :class:`PoolKVFeeds` is the view the
 ``kv_aware`` policy reads (``index`` and ``state(worker_id)``), and
 :class:`RouterKVFeeds` gathers every pool's feeds for the metrics
 (``epd_kv_*``, one :class:`~epd_actors.kv_events.metrics.KVFeedCollector`).
@@ -51,6 +53,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+RESTART_BACKOFF_START_S = 1.0
+"""The wait before a failed subscriber is replaced (doubling per failure in a row)."""
+
+RESTART_BACKOFF_MAX_S = 30.0
+"""The longest wait between two tries."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +116,8 @@ class PoolKVFeeds:
             max_blocks_per_worker=settings.max_blocks_per_worker, max_blocks=settings.max_blocks
         )
         self.subscribers: dict[str, KVEventSubscriber] = {}
+        self.failures: dict[str, int] = {}
+        """Subscribers that failed, per worker, since the router started."""
 
     def state(self, worker_id: str) -> FeedState:
         """How far the index can be trusted for ``worker_id`` (``fallback`` without a feed)."""
@@ -143,7 +153,7 @@ class PoolKVFeeds:
         source = stack.enter_context(self._factory(spec))
         subscriber = KVEventSubscriber(spec.worker_id, source, self.index)
         self.subscribers[spec.worker_id] = subscriber
-        return Subscription(subscriber, stack)
+        return Subscription(spec, subscriber, stack)
 
     async def run(
         self,
@@ -153,25 +163,65 @@ class PoolKVFeeds:
     ) -> None:
         """Run an attached subscription until cancelled; reports the scope that stops it.
 
+        A subscriber that fails (its source raised: a broken socket, a bug) is
+        logged and counted (``failures``), its worker reads ``fallback``, and
+        after a backoff (:data:`RESTART_BACKOFF_START_S`, doubling to
+        :data:`RESTART_BACKOFF_MAX_S`; back to the start once a new one applied
+        a batch) a new source and subscriber replace it: a broken feed costs
+        routing precision, never the router.
+
         Cancellation: see the module docstring; the worker is purged and
         unregistered and its source closed on every exit.
         """
-        subscriber = subscription.subscriber
-        worker_id = subscriber.worker_id
-        with subscription.stack, trio.CancelScope() as scope:
+        spec = subscription.spec
+        current: Subscription | None = subscription
+        latest = subscription.subscriber
+        backoff = RESTART_BACKOFF_START_S
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
             try:
-                task_status.started(scope)
-                await subscriber.run()
+                while True:
+                    if current is None:
+                        try:
+                            current = self.attach(spec)
+                        except ConfigError as exc:
+                            logger.warning("KV events of %s: %s", spec.worker_id, exc)
+                    if current is not None:
+                        latest = current.subscriber
+                        await self._run_once(current)
+                        if latest.statistics().batches:
+                            backoff = RESTART_BACKOFF_START_S
+                        current = None
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
             finally:
-                if self.subscribers.get(worker_id) is subscriber:
-                    del self.subscribers[worker_id]
-                logger.debug("KV events of %s (pool %s) stopped", worker_id, self.pool)
+                if self.subscribers.get(spec.worker_id) is latest:
+                    del self.subscribers[spec.worker_id]
+                logger.debug("KV events of %s (pool %s) stopped", spec.worker_id, self.pool)
+
+    async def _run_once(self, subscription: Subscription) -> None:
+        """Run one subscriber until it fails (returns) or is cancelled (raises)."""
+        try:
+            with subscription.stack:
+                await subscription.subscriber.run()
+        except Exception as exc:  # anything its source raised; never the router's problem
+            self.failures[subscription.spec.worker_id] = (
+                self.failures.get(subscription.spec.worker_id, 0) + 1
+            )
+            logger.warning(
+                "KV events of %s (pool %s) failed; the worker is routed approximately "
+                "until they resume: %r",
+                subscription.spec.worker_id,
+                self.pool,
+                exc,
+            )
 
 
 @dataclass(frozen=True, slots=True)
 class Subscription:
     """A registered subscriber and the stack that closes its source."""
 
+    spec: KVSourceSpec
     subscriber: KVEventSubscriber
     stack: contextlib.ExitStack
 
