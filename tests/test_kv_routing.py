@@ -8,6 +8,7 @@ import re
 import prometheus_client
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 from epd_actors import GenerationRequest, Prompt, SamplingParams, open_router
@@ -278,7 +279,7 @@ class FailingOnce:
     async def receive(self):  # type: ignore[no-untyped-def]
         if not self.failed:
             self.failed = True
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             raise OSError("socket broke")
         return await self.publisher.receive()
 
