@@ -22,6 +22,7 @@ from epd_actors.request import DoneEvent
 from epd_actors.simulator.kv_memory import MemoryKVEventPublisher
 from epd_actors.simulator.prefix_cache import prompt_token_ids
 from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
+from tests.metric_families import documented, families
 
 KV_ON = KVEventsSettings(enabled=True, port=5557, replay_port=5558)
 SYSTEM = " ".join(f"rule{i}" for i in range(96))  # 96 words: 6 blocks of 16 sim tokens
@@ -61,7 +62,7 @@ def kv_config(fleet: SimFleet, *, policy: str = "kv_aware", absent: tuple[str, .
                     endpoints,
                     policy=policy,
                     kv_events=KV_ON,
-                    policy_options={"tokenizer": "sim"},
+                    policy_options={"tokenizer": "sim"} if policy == "kv_aware" else {},
                 )
             )
         else:
@@ -189,6 +190,10 @@ async def test_each_worker_of_a_kv_pool_gets_a_subscriber_that_makes_its_state_e
         assert feeds.state(served[0]) is FeedState.EXACT
         assert feeds.index.blocks(served[0]) == 6
         scrape = prometheus_client.generate_latest(router.metrics.registry).decode()
+        live = {n: f for n, f in families(scrape).items() if n.startswith("epd_kv_")}
+        doc = documented("KV event feeds")
+        assert sorted(live) == sorted(doc)
+        assert all(live[n].type == doc[n].type and live[n].labels == doc[n].labels for n in doc)
         assert f'epd_kv_index_state{{state="exact",worker="{served[0]}"}} 1.0' in scrape
         assert f'epd_kv_index_blocks{{worker="{served[0]}"}} 6.0' in scrape
 
@@ -352,3 +357,15 @@ async def test_the_router_follows_real_zmq_publishers_on_loopback() -> None:
             policy = router.pools["prefill"].policy
             assert policy.stats.exact >= 1  # type: ignore[attr-defined]
             assert feeds.index.blocks(holder) >= 6
+
+
+async def test_feeds_run_for_a_pool_whose_policy_does_not_read_them() -> None:
+    fleet, publishers = kv_fleet(prefill=1)
+    async with open_router(
+        kv_config(fleet, policy="cache_aware"),
+        backend_factory=fleet.backend_factory,
+        kv_source_factory=memory_sources(publishers),
+    ) as router:
+        await generate(router, SYSTEM, 0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert router.kv_feeds.pools["prefill"].index.blocks("prefill-0") == 6
