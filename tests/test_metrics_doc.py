@@ -50,6 +50,7 @@ def test_the_doc_parser_reads_every_row() -> None:
     sections = {
         **documented("Router"),
         **documented("KV event feeds"),
+        **documented("Conditional disaggregation"),
         **documented("Worker"),
         **documented("Renamed"),
     }

@@ -103,6 +103,10 @@ class PoolConfig:
         kv_events: whether the router follows the workers' KV events, and
             where they publish (``kv_events``, ``kv_events_port`` ... in the
             file; docs/configuration.md).
+        local_prefill_below_tokens: conditional disaggregation, on a pool
+            whose stage hands its KV on (prefill): a request of which the
+            consumer pool's best worker lacks fewer tokens than this skips
+            the stage, and the consumer prefills it itself (0: never).
     """
 
     stage: str
@@ -114,6 +118,7 @@ class PoolConfig:
     lora_loading: bool = False
     encoder_reuse: EncoderReuse = field(default_factory=EncoderReuse)
     kv_events: KVEventsSettings = field(default_factory=KVEventsSettings)
+    local_prefill_below_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +312,8 @@ def validate(config: RouterConfig) -> None:
             raise ConfigError(f"{key}.max_in_flight_per_worker must be >= 1")
         pool.encoder_reuse.check(key)
         pool.kv_events.check(key)
+        if pool.local_prefill_below_tokens < 0:
+            raise ConfigError(f"{key}.local_prefill_below_tokens must be >= 0")
         for index, worker in enumerate(pool.workers):
             worker_key = f"{key}.workers[{index}]"
             if not worker.worker_id:

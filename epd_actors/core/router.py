@@ -32,6 +32,11 @@ from ..backends.base import ManagedBackend, WorkerRequirement
 from ..errors import ConfigError, NoHealthyWorker
 from ..kv_events.metrics import KVFeedCollector
 from .actors import STAGE_ACTORS, stage_policy
+from .actors.local_prefill import (
+    LocalPrefillCollector,
+    LocalPrefillRule,
+    consumer_pool,
+)
 from .backend_kinds import backend_kind
 from .config import PoolConfig, RouterConfig, WorkerEndpoint, pool_name
 from .encoder_cache import EncoderCache
@@ -308,6 +313,27 @@ def bind_kv_views(pools: dict[str, WorkerPool], kv_feeds: RouterKVFeeds) -> None
             policy.bind_kv_view(feeds)
 
 
+def bind_local_prefill(
+    config: RouterConfig, pools: dict[str, WorkerPool], supervisor: Supervisor
+) -> list[LocalPrefillRule]:
+    """Give each pool with ``local_prefill_below_tokens`` its rule (conditional disaggregation).
+
+    Raises:
+        ConfigError: the pool's stage hands no KV on, no pool of its model
+            takes the hand-off, or that pool's policy cannot estimate prefills.
+    """
+    rules = []
+    for pool in config.pools:
+        if not pool.local_prefill_below_tokens:
+            continue
+        name = config.pool_name(pool)
+        rule = LocalPrefillRule(name, pool.local_prefill_below_tokens)
+        supervisor.actors[name].use_local_prefill(rule)  # refuses a stage that hands nothing on
+        rule.bind(consumer_pool(pools, pools[name]))
+        rules.append(rule)
+    return rules
+
+
 def _loadable(config: RouterConfig, pool: PoolConfig, model: str) -> tuple[LoraAdapter, ...]:
     """The adapters the pool's backends may load at run time (those with a path)."""
     if not pool.lora_loading:
@@ -390,6 +416,9 @@ async def open_router(
         tracing=tracing,
     )
     metrics.registry.register(EncoderCacheCollector(supervisor.encoder_caches))
+    rules = bind_local_prefill(config, pools, supervisor)
+    if rules:
+        metrics.registry.register(LocalPrefillCollector(rules))
     kv_feeds = build_kv_feeds(config, kv_source_factory or zmq_source)
     bind_kv_views(pools, kv_feeds)
     if kv_feeds.pools:

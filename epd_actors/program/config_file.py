@@ -275,6 +275,7 @@ def _pool(stage: str, table: ConfigTable) -> PoolConfig:
         lora_loading=table.boolean("lora_loading", False),
         encoder_reuse=_encoder_reuse(table),
         kv_events=_kv_events(table),
+        local_prefill_below_tokens=table.integer("local_prefill_below_tokens", 0, minimum=0),
     )
     table.done()
     return config

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from ..output_relay import OutputRelay
     from ..pool import WorkerPool
     from .jobs import Compensation
+    from .local_prefill import LocalPrefillRule
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +198,17 @@ class BaseActor:
         raise ConfigError(
             f"pools.{self.stage}.reuse: only a stage that produces encoder outputs "
             "(encode) can reuse them"
+        )
+
+    def use_local_prefill(self, rule: LocalPrefillRule) -> None:
+        """Skip this stage for the requests ``rule`` says the consumer prefills itself.
+
+        Raises:
+            ConfigError: the stage hands no KV on (the default).
+        """
+        raise ConfigError(
+            f"pools.{self.stage}.local_prefill_below_tokens: only a stage that hands its KV "
+            "cache on (prefill) can be skipped"
         )
 
     def route_key(self, job: Job) -> RouteKey:

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from ...kv_events.index import KVBlockIndex
+    from ...request import GenerationRequest
     from .base import Candidate, Policy, PromptTokenizer, RouteKey
 
 __all__ = ["KVAware", "KVAwareStatistics", "KVView", "KVViewConsumer"]
@@ -204,6 +205,27 @@ class KVAware:
     def bind_kv_view(self, view: KVView) -> None:
         """Read the pool's KV feeds from now on (the router calls this at start-up)."""
         self._view = view
+
+    def uncached_tokens(
+        self, request: GenerationRequest, adapter: str | None, workers: Sequence[str]
+    ) -> int | None:
+        """The fewest prompt tokens any of ``workers`` lacks, by the index.
+
+        A worker whose feed is not exact counts as holding nothing (the
+        estimate errs towards prefilling remotely).  None when the tokenizer
+        gives no tokens.
+        """
+        tokens = self.tokenizer.token_ids(request)
+        if tokens is None:
+            return None
+        view = self._view
+        exact = [] if view is None else [w for w in workers if view.state(w) is FeedState.EXACT]
+        if view is None or not exact:
+            return len(tokens)
+        index = view.index
+        matched = index.match(tokens, lora_name=adapter, workers=exact)
+        best = max(matched[w] * (index.block_size(w) or self._block) for w in exact)
+        return max(0, len(tokens) - best)
 
     def choose(self, candidates: Sequence[Candidate], key: RouteKey) -> Candidate | None:
         """The approximate choice, or the cheapest near-equal by the cost (module docstring)."""
