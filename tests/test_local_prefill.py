@@ -178,3 +178,25 @@ def test_the_file_reads_the_threshold_and_refuses_a_negative_one() -> None:
     pools["prefill"]["local_prefill_below_tokens"] = -1
     with pytest.raises(ConfigError, match="local_prefill_below_tokens"):
         parse_config({"pools": pools})
+
+
+async def test_a_decoder_caches_the_blocks_it_received_so_the_next_turn_stays_local() -> None:
+    """Turn 1 is disaggregated; D keeps its blocks; turn 2 (a short addition) skips P."""
+    fleet, publishers = fleet_with_local_decoders()
+    async with open_router(
+        config(fleet), backend_factory=fleet.backend_factory, kv_source_factory=sources(publishers)
+    ) as router:
+        for n, worker_id in enumerate(("decode-0", "decode-1")):  # both feeds exact
+            cache = fleet.engines[worker_id].prefix_cache
+            assert cache is not None
+            cache.store(list(range(1000 * n, 1000 * n + 32)))
+        await generate(router, LONG, 0)
+        assert fleet.engines["prefill-0"].statistics().prefill_requests == 1
+        await trio.testing.wait_all_tasks_blocked()
+        await generate(router, LONG + " one more short question", 1)
+        assert fleet.engines["prefill-0"].statistics().prefill_requests == 1  # no P this time
+        hits = [
+            fleet.engines[w].prefix_cache.counters().hit_tokens  # type: ignore[union-attr]
+            for w in ("decode-0", "decode-1")
+        ]
+        assert sorted(hits) == [0, 192]

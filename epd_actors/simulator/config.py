@@ -212,7 +212,8 @@ class SimConfig:
         False,
         KnobSpec(
             "a decode engine prefills a request that arrives without kv_transfer_params "
-            "itself (with its own prefix cache), as a vLLM kv_both instance does",
+            "itself, as a vLLM kv_both instance does; with prefix_cache_blocks it caches "
+            "those prompts and the ones whose KV it received",
             None,
             _boolean,
         ),

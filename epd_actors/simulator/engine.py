@@ -432,6 +432,11 @@ class SimEngine:
             timings: dict[str, float] = {}
             if decode:
                 prompt_tokens = self._consume(handle, digest)
+                if self.prefix_cache is not None:  # the received blocks are cached here too
+                    ids = prompt_token_ids(
+                        request.prompt, request.media, self.config.media_tokens_per_item
+                    )
+                    self.prefix_cache.store(ids, lora_name=request.lora_adapter)
             else:
                 prompt_tokens = self._prompt_tokens(request.prompt, request.media)
                 timings["encode_s"] = await self._load_encoder_outputs(items)
