@@ -21,9 +21,15 @@ latencies (50 us per uncached prompt token, 2 ms to the first token) are
 model time, so TTFT shows what the cache hits save and what queueing costs,
 not this machine's speed, and every run gives the same numbers.
 
-Reported per policy: the prefix-cache hit rate from the P engines' own
-counters (hit tokens / prompt tokens), TTFT p50 / p99, and balance (the
-busiest P worker's prefill calls over the mean).
+Reported per policy: the prefix-cache hit rate from the engines' own
+counters (hit tokens / prompt tokens, P and, with ``+local``, D), TTFT p50 /
+p99, balance (the busiest P worker's prefill calls over the mean), the P calls
+made, and the requests the decoders prefilled themselves.
+
+``kv_aware+local`` adds conditional disaggregation: the decoders prefill
+locally (the simulator's ``local_prefill``, with prefix caches that keep the
+blocks they received), the D pool routes with ``kv_aware`` on its own KV
+events, and the P pool has ``local_prefill_below_tokens = --local-below``.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ from epd_actors.testing import build_sim_fleet, sim_config
 if TYPE_CHECKING:
     from epd_actors.core.kv_feeds import KVSourceSpec
 
-POLICIES = ("round_robin", "cache_aware", "kv_aware")
+POLICIES = ("round_robin", "cache_aware", "kv_aware", "kv_aware+local")
+"""The P pool's policy; ``+local``: and conditional disaggregation (``--local-below``)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,7 @@ class Result:
     imbalance: float
     prefill_calls: dict[str, int]
     decisions: dict[str, int]
+    local_prefills: int
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -101,10 +109,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run_policy(policy: str, trace: Trace, args: argparse.Namespace) -> Result:
+async def run_policy(name: str, trace: Trace, args: argparse.Namespace) -> Result:
+    policy, _, variant = name.partition("+")
+    local = variant == "local"
     cached = sim_config(prefix_cache_blocks=args.cache_blocks, output_token_s=0.0)
+    decoders = sim_config(
+        prefix_cache_blocks=args.cache_blocks, output_token_s=0.0, local_prefill=local
+    )
     fleet = build_sim_fleet(
-        {"prefill": 4, "decode": 4}, configs={"prefill": cached, "decode": cached}
+        {"prefill": 4, "decode": 4}, configs={"prefill": cached, "decode": decoders}
     )
     publishers: dict[str, MemoryKVEventPublisher] = {}
     for worker_id, engine in fleet.engines.items():
@@ -120,6 +133,12 @@ async def run_policy(policy: str, trace: Trace, args: argparse.Namespace) -> Res
         return tuple(WorkerEndpoint(m.worker_id, "tcp://127.0.0.1:1") for m in members)
 
     options = {"tokenizer": "sim"} if policy == "kv_aware" else {}
+    kv_on = KVEventsSettings(enabled=True, port=5557)
+    decode = (
+        PoolConfig("decode", endpoints("decode"), policy="kv_aware", kv_events=kv_on)
+        if local
+        else PoolConfig("decode", endpoints("decode"), policy="least_in_flight")
+    )
     config = RouterConfig(
         (
             PoolConfig(
@@ -128,9 +147,10 @@ async def run_policy(policy: str, trace: Trace, args: argparse.Namespace) -> Res
                 policy=policy,
                 policy_options=options,
                 max_in_flight_per_worker=args.slots,
-                kv_events=KVEventsSettings(enabled=True, port=5557),
+                kv_events=kv_on,
+                local_prefill_below_tokens=args.local_below if local else 0,
             ),
-            PoolConfig("decode", endpoints("decode"), policy="least_in_flight"),
+            decode,
         )
     )
     ttfts: list[float] = []
@@ -144,7 +164,7 @@ async def run_policy(policy: str, trace: Trace, args: argparse.Namespace) -> Res
                 request = GenerationRequest(
                     Prompt(text=prompt),
                     sampling=SamplingParams(max_tokens=4),
-                    request_id=f"{policy}-{n}",
+                    request_id=f"{name}-{n}",
                 )
                 start = trio.current_time()
                 first = None
@@ -158,6 +178,7 @@ async def run_policy(policy: str, trace: Trace, args: argparse.Namespace) -> Res
                 ttfts.append(first)
 
         policy_of_p = router.pools["prefill"].policy
+        rule = getattr(router.supervisor.actors["prefill"], "local_prefill", None)
         n = 0
         for batch in trace.rounds():
             async with trio.open_nursery() as nursery:
@@ -166,12 +187,13 @@ async def run_policy(policy: str, trace: Trace, args: argparse.Namespace) -> Res
                     n += 1
     counters = fleet.counters("prefill")
     caches = [e.prefix_cache.counters() for e in fleet.engines.values() if e.prefix_cache]
+
     hit = sum(c.hit_tokens for c in caches)
     total = sum(c.query_tokens for c in caches)
     calls = {w: c.prefill_requests for w, c in counters.items()}
     mean = statistics.fmean(calls.values())
     return Result(
-        policy,
+        name,
         n,
         hit / total if total else 0.0,
         percentile(ttfts, 0.5) * 1e3,
@@ -179,6 +201,7 @@ async def run_policy(policy: str, trace: Trace, args: argparse.Namespace) -> Res
         max(calls.values()) / mean if mean else 0.0,
         calls,
         asdict(stats) if (stats := getattr(policy_of_p, "stats", None)) else {},
+        rule.local if rule is not None else 0,
     )
 
 
@@ -205,6 +228,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--slots", type=int, default=4, help="P calls per worker at once")
     parser.add_argument("--cache-blocks", type=int, default=512, help="blocks per P cache")
+    parser.add_argument(
+        "--local-below",
+        type=int,
+        default=256,
+        help="+local: skip P below this many tokens the best decoder lacks",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--json", default=None)
@@ -224,12 +253,14 @@ def main() -> None:
         clock = trio.testing.MockClock(autojump_threshold=0)
         results.append(trio.run(run_policy, policy, trace, args, clock=clock))
     print(
-        f"{'policy':<12} {'requests':>8} {'hit rate':>9} {'TTFT p50':>9} {'p99':>8} {'max/mean':>9}"
+        f"{'policy':<15} {'requests':>8} {'hit rate':>9} {'TTFT p50':>9} {'p99':>8} "
+        f"{'max/mean':>9} {'P calls':>8} {'local':>6}"
     )
     for r in results:
         print(
-            f"{r.policy:<12} {r.requests:>8} {r.hit_rate:>9.1%} {r.ttft_p50_ms:>7.1f}ms "
-            f"{r.ttft_p99_ms:>6.1f}ms {r.imbalance:>9.2f}  {r.decisions or ''}"
+            f"{r.policy:<15} {r.requests:>8} {r.hit_rate:>9.1%} {r.ttft_p50_ms:>7.1f}ms "
+            f"{r.ttft_p99_ms:>6.1f}ms {r.imbalance:>9.2f} {sum(r.prefill_calls.values()):>8} "
+            f"{r.local_prefills:>6}  {r.decisions or ''}"
         )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
