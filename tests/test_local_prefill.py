@@ -200,3 +200,19 @@ async def test_a_decoder_caches_the_blocks_it_received_so_the_next_turn_stays_lo
             for w in ("decode-0", "decode-1")
         ]
         assert sorted(hits) == [0, 192]
+
+
+def test_check_config_refuses_a_consumer_that_cannot_estimate() -> None:
+    from epd_actors.program.check_config import check_topology
+
+    pools = {
+        "prefill": {
+            "local_prefill_below_tokens": 256,
+            "workers": [{"id": "p0", "address": "tcp://h:1"}],
+        },
+        "decode": {"workers": [{"id": "d0", "address": "tcp://h:2"}]},
+    }
+    with pytest.raises(ConfigError, match="use kv_aware there"):
+        check_topology(parse_config({"pools": pools}))
+    pools["decode"]["policy"] = "kv_aware"
+    check_topology(parse_config({"pools": pools}))
