@@ -17,6 +17,7 @@ from ..limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS
 from .encoder_cache import EncoderReuse
 from .fleet.settings import SharedSettings
 from .health import HealthPolicy
+from .kv_settings import KVEventsSettings, check_zmq_endpoint
 from .retry import RetryPolicy
 from .routing import build_policy
 from .tracing.config import TracingConfig
@@ -63,11 +64,17 @@ class WorkerEndpoint:
         address: ``tcp://HOST:PORT`` or ``unix:PATH`` (native backend), or
             ``http(s)://HOST:PORT`` (``openai_http`` backend).
         backend: how to reach it (``native`` or ``openai_http``).
+        kv_events_endpoint / kv_events_replay_endpoint: where its engine
+            publishes KV events (ZMQ PUB) and answers replays (ROUTER), for a
+            pool with ``kv_events`` on; None: the pool's port rule
+            (:class:`~.kv_settings.KVEventsSettings`).
     """
 
     worker_id: str
     address: str
     backend: str = "native"
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +100,13 @@ class PoolConfig:
         encoder_reuse: whether the router skips E for an item whose encoder
             output an earlier request produced (``reuse``/``reuse_ttl_s`` in
             the file; a stage that produces encoder outputs only, i.e. encode).
+        kv_events: whether the router follows the workers' KV events, and
+            where they publish (``kv_events``, ``kv_events_port`` ... in the
+            file; docs/configuration.md).
+        local_prefill_below_tokens: conditional disaggregation, on a pool
+            whose stage hands its KV on (prefill): a request of which the
+            consumer pool's best worker lacks fewer tokens than this skips
+            the stage, and the consumer prefills it itself (0: never).
     """
 
     stage: str
@@ -103,6 +117,8 @@ class PoolConfig:
     model: str | None = None
     lora_loading: bool = False
     encoder_reuse: EncoderReuse = field(default_factory=EncoderReuse)
+    kv_events: KVEventsSettings = field(default_factory=KVEventsSettings)
+    local_prefill_below_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +311,9 @@ def validate(config: RouterConfig) -> None:
         if pool.max_in_flight_per_worker < 1:
             raise ConfigError(f"{key}.max_in_flight_per_worker must be >= 1")
         pool.encoder_reuse.check(key)
+        pool.kv_events.check(key)
+        if pool.local_prefill_below_tokens < 0:
+            raise ConfigError(f"{key}.local_prefill_below_tokens must be >= 0")
         for index, worker in enumerate(pool.workers):
             worker_key = f"{key}.workers[{index}]"
             if not worker.worker_id:
@@ -303,6 +322,7 @@ def validate(config: RouterConfig) -> None:
                 raise ConfigError(f"{worker_key}.id: duplicate worker id {worker.worker_id!r}")
             seen_workers.add(worker.worker_id)
             check_worker_address(worker.backend, worker.address, key=worker_key)
+            check_kv_endpoints(pool.kv_events, worker, key=worker_key)
     _check_models(config)
     deadlines = config.deadlines
     for name in (
@@ -328,6 +348,35 @@ def validate(config: RouterConfig) -> None:
     if not 0.0 <= config.admission.high_priority_reserve < 1.0:
         raise ConfigError("admission.high_priority_reserve must be in [0, 1)")
     _positive("actors.restart_backoff_max_s", actors.restart_backoff_max_s)
+
+
+def check_kv_endpoints(settings: KVEventsSettings, worker: WorkerEndpoint, *, key: str) -> None:
+    """Refuse KV event endpoints that cannot be used for ``worker`` (``key``: its config key).
+
+    A pool without ``kv_events`` must not name any; a pool with it must find
+    one for every worker (its own, or the pool's port rule).
+
+    Raises:
+        ConfigError: naming ``key.kv_events_endpoint`` (or ``..._replay_endpoint``).
+    """
+    own = (
+        ("kv_events_endpoint", worker.kv_events_endpoint),
+        ("kv_events_replay_endpoint", worker.kv_events_replay_endpoint),
+    )
+    for name, value in own:
+        if value is None:
+            continue
+        if not settings.enabled:
+            raise ConfigError(f"{key}.{name}: the pool's kv_events is off")
+        check_zmq_endpoint(value, key=f"{key}.{name}")
+    if worker.kv_events_replay_endpoint is not None and worker.kv_events_endpoint is None:
+        raise ConfigError(f"{key}.kv_events_replay_endpoint: needs kv_events_endpoint")
+    found = settings.endpoints(worker.address, worker.kv_events_endpoint, None)
+    if settings.enabled and found is None:
+        raise ConfigError(
+            f"{key}.kv_events_endpoint: required (the pool has no kv_events_port, "
+            f"or the address {worker.address!r} names no host)"
+        )
 
 
 def _check_models(config: RouterConfig) -> None:

@@ -30,7 +30,13 @@ import trio
 from .._groups import single_exception
 from ..backends.base import ManagedBackend, WorkerRequirement
 from ..errors import ConfigError, NoHealthyWorker
+from ..kv_events.metrics import KVFeedCollector
 from .actors import STAGE_ACTORS, stage_policy
+from .actors.local_prefill import (
+    LocalPrefillCollector,
+    LocalPrefillRule,
+    consumer_pool,
+)
 from .backend_kinds import backend_kind
 from .config import PoolConfig, RouterConfig, WorkerEndpoint, pool_name
 from .encoder_cache import EncoderCache
@@ -38,10 +44,12 @@ from .encoder_cache_metrics import EncoderCacheCollector
 from .fleet.changes import WorkerChange
 from .fleet.store import open_store
 from .fleet.sync import FleetSync
+from .kv_feeds import KVSourceFactory, RouterKVFeeds, build_kv_feeds, zmq_source
 from .metrics import RouterMetrics
 from .models import ModelCatalog
 from .pool import WorkerPool
 from .routing import build_policy
+from .routing.kv_aware import KVViewConsumer
 from .statistics import RouterStatistics
 from .supervisor import Supervisor
 from .tracing import closing_tracing, open_tracing
@@ -105,6 +113,7 @@ class Router:
         nursery: trio.Nursery,
         backend_factory: BackendFactory,
         metrics: RouterMetrics,
+        kv_feeds: RouterKVFeeds | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -114,6 +123,9 @@ class Router:
         self._backend_factory = backend_factory
         self.backends: dict[str, ManagedBackend] = {}
         self._backend_scopes: dict[str, trio.CancelScope] = {}
+        self.kv_feeds = kv_feeds if kv_feeds is not None else RouterKVFeeds({})
+        """Each pool's KV event index and subscribers (pools with ``kv_events`` on)."""
+        self._kv_scopes: dict[str, trio.CancelScope] = {}
         self.on_worker_change: Callable[[WorkerChange], None] | None = None
         """Told of each operator change made here (``origin`` None), to share it."""
         self.fleet: FleetSync | None = None
@@ -171,19 +183,29 @@ class Router:
                 here, which ``on_worker_change`` shares; the same for drain
                 and remove).
 
+        In a pool with ``kv_events`` on, the worker's KV event subscriber
+        starts with it (and stops with ``remove_worker``).
+
         Raises:
-            ConfigError: no pool of that stage and model, or a duplicate worker id.
+            ConfigError: no pool of that stage and model, a duplicate worker
+                id, or (a pool with ``kv_events``) no usable KV events endpoint.
         """
         served = model or self.config.model
-        pool = self.pools.get(pool_name(stage, served, self.config.model))
+        name = pool_name(stage, served, self.config.model)
+        pool = self.pools.get(name)
         if pool is None:
             raise ConfigError(f"no pool for stage {stage!r} of model {served!r}")
         if any(p.get(endpoint.worker_id) for p in self.pools.values()):
             raise ConfigError(f"worker id {endpoint.worker_id!r} already exists")
+        feeds = self.kv_feeds.pools.get(name)
+        subscription = None if feeds is None else feeds.attach(feeds.spec(endpoint))
         backend = self._backend_factory(endpoint, self.config)
         scope = await self._nursery.start(_run_backend, backend)
         self._backend_scopes[endpoint.worker_id] = scope
         self.backends[endpoint.worker_id] = backend
+        if feeds is not None and subscription is not None:
+            kv_scope = await self._nursery.start(feeds.run, subscription)
+            self._kv_scopes[endpoint.worker_id] = kv_scope
         pool.add(backend)
         address, kind = endpoint.address, endpoint.backend
         change = WorkerChange("add", endpoint.worker_id, stage, served, address, kind)
@@ -231,6 +253,9 @@ class Router:
                 pool.remove(worker_id)
                 del self.backends[worker_id]
                 self._backend_scopes.pop(worker_id).cancel(reason="worker removed")
+                kv_scope = self._kv_scopes.pop(worker_id, None)
+                if kv_scope is not None:
+                    kv_scope.cancel(reason="worker removed")
                 self._changed(WorkerChange("remove", worker_id), origin)
                 return
         raise ConfigError(f"unknown worker {worker_id!r}")
@@ -280,6 +305,35 @@ def build_pools(config: RouterConfig) -> dict[str, WorkerPool]:
     return pools
 
 
+def bind_kv_views(pools: dict[str, WorkerPool], kv_feeds: RouterKVFeeds) -> None:
+    """Hand each pool's KV feeds to its policy, when the policy reads them (``kv_aware``)."""
+    for name, feeds in kv_feeds.pools.items():
+        policy = pools[name].policy
+        if isinstance(policy, KVViewConsumer):
+            policy.bind_kv_view(feeds)
+
+
+def bind_local_prefill(
+    config: RouterConfig, pools: dict[str, WorkerPool], supervisor: Supervisor
+) -> list[LocalPrefillRule]:
+    """Give each pool with ``local_prefill_below_tokens`` its rule (conditional disaggregation).
+
+    Raises:
+        ConfigError: the pool's stage hands no KV on, no pool of its model
+            takes the hand-off, or that pool's policy cannot estimate prefills.
+    """
+    rules = []
+    for pool in config.pools:
+        if not pool.local_prefill_below_tokens:
+            continue
+        name = config.pool_name(pool)
+        rule = LocalPrefillRule(name, pool.local_prefill_below_tokens)
+        supervisor.actors[name].use_local_prefill(rule)  # refuses a stage that hands nothing on
+        rule.bind(consumer_pool(pools, pools[name]))
+        rules.append(rule)
+    return rules
+
+
 def _loadable(config: RouterConfig, pool: PoolConfig, model: str) -> tuple[LoraAdapter, ...]:
     """The adapters the pool's backends may load at run time (those with a path)."""
     if not pool.lora_loading:
@@ -325,6 +379,7 @@ async def open_router(
     backend_factory: BackendFactory | None = None,
     fleet_store: FleetStore | None = None,
     tracing: RequestTracing | None = None,
+    kv_source_factory: KVSourceFactory | None = None,
 ) -> AsyncIterator[Router]:
     """Start a router for ``config``; stop it when the block exits.
 
@@ -335,6 +390,9 @@ async def open_router(
         fleet_store: where this router shares state with its replicas
             (default: ``config.shared``'s Redis, or nothing when it names none);
             see :mod:`epd_actors.core.fleet`.
+        kv_source_factory: builds the KV event source of each worker of a
+            pool with ``kv_events`` on (default: :func:`~.kv_feeds.zmq_source`,
+            which needs pyzmq, the ``kv-events`` extra).
         tracing: traces the router's requests (default: what ``config.tracing``
             sets up, nothing unless it is enabled); shut down with the router.
 
@@ -358,10 +416,17 @@ async def open_router(
         tracing=tracing,
     )
     metrics.registry.register(EncoderCacheCollector(supervisor.encoder_caches))
+    rules = bind_local_prefill(config, pools, supervisor)
+    if rules:
+        metrics.registry.register(LocalPrefillCollector(rules))
+    kv_feeds = build_kv_feeds(config, kv_source_factory or zmq_source)
+    bind_kv_views(pools, kv_feeds)
+    if kv_feeds.pools:
+        metrics.registry.register(KVFeedCollector(kv_feeds.subscribers, kv_feeds))
     async with closing_tracing(tracing):
         with single_exception():
             async with trio.open_nursery() as nursery:
-                router = Router(config, supervisor, pools, nursery, factory, metrics)
+                router = Router(config, supervisor, pools, nursery, factory, metrics, kv_feeds)
                 metrics.watch(router.statistics)
                 for pool in config.pools:
                     for endpoint in pool.workers:

@@ -6,7 +6,7 @@ Register a :class:`KVFeedCollector` in the router's registry
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -18,10 +18,17 @@ if TYPE_CHECKING:
 
     from prometheus_client.core import Metric
 
-    from .index import KVBlockIndex
     from .subscriber import KVEventSubscriber
 
-__all__ = ["KVFeedCollector"]
+__all__ = ["BlockCounts", "KVFeedCollector"]
+
+
+class BlockCounts(Protocol):
+    """What the collector reads of an index: a :class:`~.index.KVBlockIndex`, or several."""
+
+    def blocks(self, worker_id: str) -> int:
+        """How many entries ``worker_id`` holds."""
+        ...
 
 
 class KVFeedCollector(Collector):
@@ -33,11 +40,11 @@ class KVFeedCollector(Collector):
 
     Args:
         subscribers: returns the subscribers to report (read at every scrape).
-        index: the index they feed.
+        index: the index they feed (anything that counts a worker's blocks).
     """
 
     def __init__(
-        self, subscribers: Callable[[], Iterable[KVEventSubscriber]], index: KVBlockIndex
+        self, subscribers: Callable[[], Iterable[KVEventSubscriber]], index: BlockCounts
     ) -> None:
         self._subscribers = subscribers
         self._index = index

@@ -159,7 +159,14 @@ class ZmqEventSource:
         sub.setsockopt(zmq.MAXMSGSIZE, self._max_payload + 4096)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode("utf-8"))
         self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sub.connect(self.endpoint)
+        try:
+            sub.connect(self.endpoint)
+        except zmq.ZMQError:
+            sub.disable_monitor()
+            self._monitor.close(linger=0)
+            sub.close(linger=0)
+            self._monitor = None
+            raise
         self._sub = sub
         self._poller = zmq.Poller()
         self._poller.register(sub, zmq.POLLIN)

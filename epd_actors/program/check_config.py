@@ -6,7 +6,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..core.actors import STAGE_ACTORS, stage_policy
-from ..core.router import build_catalog, build_encoder_caches, build_pools
+from ..core.router import bind_local_prefill, build_catalog, build_encoder_caches, build_pools
 from ..core.supervisor import Supervisor
 from ..errors import ConfigError
 from .config_file import FileConfig, load_config
@@ -76,11 +76,12 @@ def _reuse_summary(pool: PoolConfig) -> str:
 def check_topology(config: FileConfig) -> None:
     """Build (without starting) the supervisor, so topology errors surface here too."""
     pools = build_pools(config.router)
-    Supervisor(
+    supervisor = Supervisor(
         pools,
         catalog=build_catalog(config.router, pools),
         encoder_caches=build_encoder_caches(config.router),
     )
+    bind_local_prefill(config.router, pools, supervisor)
 
 
 def run_check_config(args: argparse.Namespace) -> int:

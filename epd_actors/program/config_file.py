@@ -35,6 +35,7 @@ from ..core.config import (
 from ..core.encoder_cache import EncoderReuse
 from ..core.fleet.settings import SharedSettings
 from ..core.health import HealthPolicy
+from ..core.kv_settings import KVEventsSettings
 from ..core.retry import RetryPolicy
 from ..core.tracing.config import TracingConfig
 from ..errors import ConfigError
@@ -260,8 +261,10 @@ def _pool(stage: str, table: ConfigTable) -> PoolConfig:
         if not address:
             raise ConfigError(f"{worker.key('address')}: required")
         backend = worker.string("backend", "native") or "native"
+        kv_endpoint = worker.string("kv_events_endpoint", None)
+        kv_replay = worker.string("kv_events_replay_endpoint", None)
         worker.done()
-        workers.append(WorkerEndpoint(worker_id, address, backend))
+        workers.append(WorkerEndpoint(worker_id, address, backend, kv_endpoint, kv_replay))
     config = PoolConfig(
         stage=stage,
         workers=tuple(workers),
@@ -271,9 +274,34 @@ def _pool(stage: str, table: ConfigTable) -> PoolConfig:
         model=table.string("model", None),
         lora_loading=table.boolean("lora_loading", False),
         encoder_reuse=_encoder_reuse(table),
+        kv_events=_kv_events(table),
+        local_prefill_below_tokens=table.integer("local_prefill_below_tokens", 0, minimum=0),
     )
     table.done()
     return config
+
+
+def _kv_events(table: ConfigTable) -> KVEventsSettings:
+    """A pool's ``kv_events``, ``kv_events_port``, ``kv_events_replay_port``,
+    ``kv_events_topic`` and ``kv_index_max_blocks[_per_worker]`` (see
+    ``kv_settings.KVEventsSettings``)."""
+    default = KVEventsSettings()
+    port = table.integer("kv_events_port", 0, minimum=1) if table.has("kv_events_port") else None
+    replay = (
+        table.integer("kv_events_replay_port", 0, minimum=1)
+        if table.has("kv_events_replay_port")
+        else None
+    )
+    return KVEventsSettings(
+        enabled=table.boolean("kv_events", default.enabled),
+        port=port,
+        replay_port=replay,
+        topic=table.string("kv_events_topic", default.topic) or "",
+        max_blocks_per_worker=table.integer(
+            "kv_index_max_blocks_per_worker", default.max_blocks_per_worker, minimum=1
+        ),
+        max_blocks=table.integer("kv_index_max_blocks", default.max_blocks, minimum=1),
+    )
 
 
 def _encoder_reuse(table: ConfigTable) -> EncoderReuse:

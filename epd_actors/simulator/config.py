@@ -208,6 +208,16 @@ class SimConfig:
         ),
     )
     prefix_block_size: int = _knob(16, _ints("tokens per prefix-cache block", 1))
+    local_prefill: bool = _knob(
+        False,
+        KnobSpec(
+            "a decode engine prefills a request that arrives without kv_transfer_params "
+            "itself, as a vLLM kv_both instance does; with prefix_cache_blocks it caches "
+            "those prompts and the ones whose KV it received",
+            None,
+            _boolean,
+        ),
+    )
     prefix_hash_seed: int | None = _knob(
         None, _ints_or_off("seed of the engine's block hashes; off = random per engine", 0)
     )

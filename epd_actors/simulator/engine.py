@@ -299,7 +299,9 @@ class SimEngine:
         self._wedged = False
         # The prefix cache of a role that prefills (prefix_cache_blocks > 0); set its sink.
         traits = ROLE_TRAITS[self.role]
-        prefills = traits.serves("prefill") or (traits.serves("generate") and not traits.takes_kv)
+        prefills = traits.serves("prefill") or (
+            traits.serves("generate") and (not traits.takes_kv or config.local_prefill)
+        )
         self.prefix_cache: SimPrefixCache | None = None
         if config.prefix_cache_blocks and prefills:
             self.prefix_cache = SimPrefixCache(
@@ -406,7 +408,8 @@ class SimEngine:
 
         Raises:
             EngineError: ``unknown_kv_handle`` (unknown, expired, consumed or
-                mismatched handle), ``invalid_request`` (D without a handle),
+                mismatched handle), ``invalid_request`` (D without a handle,
+                unless ``local_prefill``: then it prefills itself, as PD does),
                 ``missing_encoder_cache`` (PD, strict), ``engine_error`` (injected,
                 before any token and before the handle is consumed),
                 ``unsupported_stage``.
@@ -419,7 +422,9 @@ class SimEngine:
         await self._admit("generate")
         with self._running():
             start = trio.current_time()
-            decode = ROLE_TRAITS[self.role].takes_kv
+            decode = ROLE_TRAITS[self.role].takes_kv and not (
+                self.config.local_prefill and request.kv_transfer_params is None
+            )
             handle = _handle_from(request.kv_transfer_params) if decode else ""
             items = {} if decode else self._checked_media(request.media)
             digest = prompt_digest(request.prompt, request.media)
@@ -427,6 +432,11 @@ class SimEngine:
             timings: dict[str, float] = {}
             if decode:
                 prompt_tokens = self._consume(handle, digest)
+                if self.prefix_cache is not None:  # the received blocks are cached here too
+                    ids = prompt_token_ids(
+                        request.prompt, request.media, self.config.media_tokens_per_item
+                    )
+                    self.prefix_cache.store(ids, lora_name=request.lora_adapter)
             else:
                 prompt_tokens = self._prompt_tokens(request.prompt, request.media)
                 timings["encode_s"] = await self._load_encoder_outputs(items)

@@ -19,6 +19,7 @@ from epd_actors.core.routing import (
     CacheAware,
     Candidate,
     ConsistentHash,
+    KVAware,
     LeastInFlight,
     Policy,
     PowerOfTwoChoices,
@@ -495,6 +496,7 @@ POLICY_CLASSES: dict[str, type] = {
     "power_of_two": PowerOfTwoChoices,
     "consistent_hash": ConsistentHash,
     "cache_aware": CacheAware,
+    "kv_aware": KVAware,
 }
 
 
@@ -619,5 +621,6 @@ def test_consistent_hash_config_error_from_constructor() -> None:
 
 def test_only_the_affinity_policies_read_the_affinity_and_the_prompt() -> None:
     readers = {name for name in POLICY_NAMES if make_policy(name).uses_affinity}
-    assert readers == {"consistent_hash", "cache_aware"}
-    assert {name for name in POLICY_NAMES if make_policy(name).uses_prompt} == {"cache_aware"}
+    assert readers == {"consistent_hash", "cache_aware", "kv_aware"}
+    prompt_readers = {name for name in POLICY_NAMES if make_policy(name).uses_prompt}
+    assert prompt_readers == {"cache_aware", "kv_aware"}

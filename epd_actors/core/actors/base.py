@@ -49,7 +49,7 @@ from ...errors import AttemptTimeout, ConfigError, EpdError, NoHealthyWorker
 from ...limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, JOB_REPLY_BUFFER
 from ..health import is_backpressure
 from ..retry import RetryPolicy, counts_against_worker
-from ..routing import RouteKey, affinity_for_prompt
+from ..routing import RouteKey, affinity_for_prompt, prompt_tokenizer
 from ..tracing import attempt_span
 from .jobs import Job, StageContext, StageEvent, StageFailure
 
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from ..output_relay import OutputRelay
     from ..pool import WorkerPool
     from .jobs import Compensation
+    from .local_prefill import LocalPrefillRule
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,17 @@ class BaseActor:
             "(encode) can reuse them"
         )
 
+    def use_local_prefill(self, rule: LocalPrefillRule) -> None:
+        """Skip this stage for the requests ``rule`` says the consumer prefills itself.
+
+        Raises:
+            ConfigError: the stage hands no KV on (the default).
+        """
+        raise ConfigError(
+            f"pools.{self.stage}.local_prefill_below_tokens: only a stage that hands its KV "
+            "cache on (prefill) can be skipped"
+        )
+
     def route_key(self, job: Job) -> RouteKey:
         """The routing key of a job (default: the session key, else the prompt prefix).
 
@@ -232,7 +244,9 @@ class BaseActor:
         request = job.context.request
         affinity = request.session_key or _prompt_affinity(request)
         prompt = routed_prompt(request) if policy.uses_prompt else None
-        return RouteKey(job.request_id, affinity, prompt, adapter)
+        tokenizer = prompt_tokenizer(policy)
+        tokens = None if tokenizer is None else tokenizer.token_ids(request)
+        return RouteKey(job.request_id, affinity, prompt, adapter, tokens)
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
         """Do the job on ``backend`` and send its events on ``job.reply``.

@@ -14,6 +14,8 @@ from .registry import register_stage
 if TYPE_CHECKING:
     from ...backends.base import StageBackend
     from ..config import Deadlines
+    from .jobs import StageContext
+    from .local_prefill import LocalPrefillRule
 
 
 @register_stage
@@ -26,9 +28,23 @@ class PrefillActor(BaseActor):
     order = 20
     requires = ("decode",)
 
+    local_prefill: LocalPrefillRule | None = None
+    """Skips the stage for prompts the decoder prefills cheaply itself (off: None)."""
+
     @classmethod
     def attempt_timeout(cls, deadlines: Deadlines) -> float:
         return deadlines.prefill_timeout_s
+
+    def use_local_prefill(self, rule: LocalPrefillRule) -> None:
+        """Run no job for the requests ``rule`` leaves to the decoder (conditional P/D)."""
+        self.local_prefill = rule
+
+    def recall(self, context: StageContext, items: list[int | None]) -> list[int | None]:
+        """No job when the decoder prefills the prompt itself (``local_prefill``)."""
+        rule = self.local_prefill
+        if rule is not None and rule.prefills_locally(context):
+            return []
+        return items
 
     async def handle(self, job: Job, backend: StageBackend) -> None:
         result = await backend.run_stage(

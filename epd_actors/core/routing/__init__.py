@@ -60,16 +60,20 @@ from .base import (
     Candidate,
     Policy,
     PolicyClass,
+    PromptTokenizer,
     RouteKey,
     StatelessPolicy,
     build_policy,
     make_policy,
     policy_names,
+    prompt_tokenizer,
     register_policy,
 )
 from .cache_aware import CacheAware, PrefixIndex, prompt_blocks
 from .hashing import ConsistentHash, affinity_for_prompt
+from .kv_aware import KVAware
 from .simple import LeastInFlight, PowerOfTwoChoices, RandomChoice, RoundRobin
+from .tokenizers import register_tokenizer, tokenizer_names
 
 POLICY_NAMES = policy_names()
 """The built-in policy names (:func:`policy_names` also lists ones registered later)."""
@@ -79,11 +83,13 @@ __all__ = [
     "CacheAware",
     "Candidate",
     "ConsistentHash",
+    "KVAware",
     "LeastInFlight",
     "Policy",
     "PolicyClass",
     "PowerOfTwoChoices",
     "PrefixIndex",
+    "PromptTokenizer",
     "RandomChoice",
     "RoundRobin",
     "RouteKey",
@@ -93,5 +99,8 @@ __all__ = [
     "make_policy",
     "policy_names",
     "prompt_blocks",
+    "prompt_tokenizer",
     "register_policy",
+    "register_tokenizer",
+    "tokenizer_names",
 ]

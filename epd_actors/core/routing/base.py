@@ -9,13 +9,15 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Final, Protocol, TypeVar, runtime_checkable
 
 from ...errors import ConfigError
 
 if TYPE_CHECKING:
     import random
     from collections.abc import Iterable, Mapping, Sequence
+
+    from ...request import GenerationRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +64,17 @@ class RouteKey:
         adapter: the LoRA adapter the request names, or None; the pool offers
             the policy only the workers that have it loaded, when any has
             room (``WorkerPool.try_lease``).
+        token_ids: the prompt's token ids as the engines will see them, from
+            the policy's own tokenizer (``policy.tokenizer``, see
+            :func:`prompt_tokenizer`); None when the policy has none or it
+            could not tokenize the prompt.
     """
 
     request_id: str
     affinity: str | None = None
     prompt: str | tuple[int, ...] | None = None
     adapter: str | None = None
+    token_ids: tuple[int, ...] | None = None
 
 
 class Policy(Protocol):
@@ -99,6 +106,25 @@ class Policy(Protocol):
             One element of ``candidates``; ``None`` only when it is empty.
         """
         ...
+
+
+@runtime_checkable
+class PromptTokenizer(Protocol):
+    """Turns a request into the token ids its engines will prefill (see ``routing.tokenizers``)."""
+
+    def token_ids(self, request: GenerationRequest) -> tuple[int, ...] | None:
+        """The prompt's token ids, or None when this tokenizer cannot say."""
+        ...
+
+
+def prompt_tokenizer(policy: object) -> PromptTokenizer | None:
+    """The tokenizer a policy reads ``RouteKey.token_ids`` from (its ``tokenizer``), if any.
+
+    Policies that need no token ids have no such attribute, so they stay as
+    they are and their callers tokenize nothing.
+    """
+    tokenizer = getattr(policy, "tokenizer", None)
+    return tokenizer if isinstance(tokenizer, PromptTokenizer) else None
 
 
 def load_after_one(candidate: Candidate) -> float:

@@ -238,6 +238,10 @@ class CacheAware:
             load_factor=number_option(options, "load_factor", 1.25, minimum=1),
         )
 
+    def prompt_keys(self, prompt: str | tuple[int, ...]) -> list[int]:
+        """The block keys this policy's index uses for ``prompt``."""
+        return prompt_blocks(prompt, block_tokens=self._block_tokens, block_chars=self._block_chars)
+
     def statistics(self) -> PrefixIndexStatistics:
         return PrefixIndexStatistics(len(self.index), self.index.evicted, self.lookups, self.hits)
 
