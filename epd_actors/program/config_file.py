@@ -67,6 +67,8 @@ class ServerConfig:
         metrics_listen: ``HOST:PORT`` where the parent of several router
             processes serves their metrics, each series labelled with its
             ``process``; None for none.
+        ws_on_http: the HTTP listener also serves the WebSocket API: a
+            ``GET`` of ``ws.path`` with ``Upgrade: websocket`` (true by default).
     """
 
     http_listen: str = "127.0.0.1:8000"
@@ -77,6 +79,7 @@ class ServerConfig:
     drain_notice_s: float = 0.0
     processes: int = 1
     metrics_listen: str | None = None
+    ws_on_http: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +185,7 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
     drain_timeout_s = table.number("drain_timeout_s", defaults.drain_timeout_s, minimum=0.001)
     drain_notice_s = table.number("drain_notice_s", defaults.drain_notice_s, minimum=0.0)
     access_log = table.boolean("access_log", False)
+    ws_on_http = table.boolean("ws_on_http", defaults.ws_on_http)
     fields = _field_policy(table)
     media = _media(table.table("media"))
     http = read_settings(
@@ -204,6 +208,7 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
         drain_notice_s,
         processes=processes,
         metrics_listen=metrics_listen,
+        ws_on_http=ws_on_http,
     )
 
 

@@ -36,14 +36,13 @@ from ..discovery import open_discovery
 from ..frontends.admin import RouterAdmin
 from ..frontends.http import serve_http
 from ..frontends.http_app import RouterHttpApp
-from ..frontends.ws import serve_ws
+from ..frontends.media_fetch import open_allowed_fetcher
+from ..frontends.ws import WsServer, serve_ws
 from ..limits import ACCEPT_BURST
 from .config_file import FileConfig, parse_host_port
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-    from ..frontends.ws import WsServer
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +176,14 @@ async def serve_router(
     ):
         app = RouterHttpApp(router)
         app.admin = RouterAdmin(router)
-        async with trio.open_nursery() as connections:
+        async with (
+            open_allowed_fetcher(server.ws.media) as ws_fetcher,
+            trio.open_nursery() as connections,
+        ):
+            # WebSocket upgrades on the HTTP port (the separate listener is an option too).
+            upgrades = (
+                WsServer(router, server.ws, fetcher=ws_fetcher) if server.ws_on_http else None
+            )
             async with trio.open_nursery() as acceptors:
                 host, port = parse_host_port(server.http_listen, key="server.http_listen")
                 if http_sockets is None:
@@ -193,6 +199,7 @@ async def serve_router(
                         cast("list[trio.SocketListener]", bursting),
                         settings=server.http,
                         handler_nursery=connections,
+                        websocket=upgrades,
                     )
                 )
                 http_address = (host, listeners[0].socket.getsockname()[1])
