@@ -286,7 +286,7 @@ class WsServer:
     @property
     def port(self) -> int:
         """The listening port (the kernel's choice when started with port 0)."""
-        ports = {listener.socket.getsockname()[1] for listener in self.listeners}
+        ports = {_listening_socket(listener).getsockname()[1] for listener in self.listeners}
         if not ports:
             raise RuntimeError("the server is not listening yet")
         if len(ports) > 1:
@@ -409,6 +409,15 @@ class WsServer:
         if not self.authorized(request):
             return 401, Unauthorized("missing or invalid API key")
         return None
+
+
+def _listening_socket(listener: object) -> trio.socket.SocketType:
+    """The socket under a listener, through TLS (``trio.SSLListener``) if any."""
+    while not isinstance(listener, trio.SocketListener):
+        listener = getattr(listener, "transport_listener", None)
+        if listener is None:
+            raise RuntimeError("a listener without a socket")
+    return listener.socket
 
 
 @dataclass(slots=True)

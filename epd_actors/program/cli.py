@@ -31,6 +31,7 @@ from .local import add_local_arguments, run_local
 from .process_child import child_spec, serve_child
 from .processes import child_command, run_processes, serve_processes_overrides
 from .serve import serve_router
+from .tls import server_ssl_context, tls_overrides
 from .worker import add_worker_arguments, run_worker
 
 COMMANDS = ("local", "serve", "worker", "check-config", "bench")
@@ -93,6 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-listen",
         default=None,
         help="HOST:PORT where the parent of --processes serves every process's /metrics",
+    )
+    serve.add_argument(
+        "--ssl-certfile",
+        default=None,
+        help="PEM certificate chain: serve HTTPS/WSS (overrides [server] ssl_certfile)",
+    )
+    serve.add_argument(
+        "--ssl-keyfile",
+        default=None,
+        help="PEM private key of --ssl-certfile (overrides [server] ssl_keyfile)",
     )
     serve.add_argument(
         "--access-log",
@@ -184,6 +195,7 @@ def run_serve(args: argparse.Namespace) -> int:
             server = replace(server, ws_listen=args.ws_listen)
         if args.access_log:
             server = replace(server, http=replace(server.http, access_log=True))
+        server = tls_overrides(server, args)
         server = serve_processes_overrides(server, args)
         config = replace(config, server=server)
         child = child_spec()
@@ -191,6 +203,8 @@ def run_serve(args: argparse.Namespace) -> int:
             # Each child checks the topology as a single router does.
             return run_processes(config, server.processes, child_command(args))
         check_topology(config)
+        if server.ssl_certfile is not None:
+            server_ssl_context(server.ssl_certfile, server.ssl_keyfile)  # fail before starting
     except ConfigError as exc:
         print(f"epd_actors serve: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -67,6 +67,8 @@ class ServerConfig:
         metrics_listen: ``HOST:PORT`` where the parent of several router
             processes serves their metrics, each series labelled with its
             ``process``; None for none.
+        ssl_certfile: a PEM certificate chain: TLS on every listener (None: plain TCP).
+        ssl_keyfile: its PEM private key (None: in ``ssl_certfile``).
         ws_on_http: the HTTP listener also serves the WebSocket API: a
             ``GET`` of ``ws.path`` with ``Upgrade: websocket`` (true by default).
     """
@@ -80,6 +82,8 @@ class ServerConfig:
     processes: int = 1
     metrics_listen: str | None = None
     ws_on_http: bool = True
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +190,10 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
     drain_notice_s = table.number("drain_notice_s", defaults.drain_notice_s, minimum=0.0)
     access_log = table.boolean("access_log", False)
     ws_on_http = table.boolean("ws_on_http", defaults.ws_on_http)
+    ssl_certfile = table.string("ssl_certfile", None)
+    ssl_keyfile = table.string("ssl_keyfile", None)
+    if ssl_keyfile is not None and ssl_certfile is None:
+        raise ConfigError(f"{table.key('ssl_keyfile')}: needs ssl_certfile too")
     fields = _field_policy(table)
     media = _media(table.table("media"))
     http = read_settings(
@@ -209,6 +217,8 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
         processes=processes,
         metrics_listen=metrics_listen,
         ws_on_http=ws_on_http,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
     )
 
 

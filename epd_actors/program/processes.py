@@ -504,4 +504,10 @@ def child_command(args: argparse.Namespace) -> list[str]:
         command += ["--ws-listen", args.ws_listen]
     if args.access_log:
         command.append("--access-log")
+    for option, value in (
+        ("--ssl-certfile", getattr(args, "ssl_certfile", None)),
+        ("--ssl-keyfile", getattr(args, "ssl_keyfile", None)),
+    ):
+        if value:
+            command += [option, os.path.abspath(value)]
     return command

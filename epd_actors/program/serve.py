@@ -40,8 +40,10 @@ from ..frontends.media_fetch import open_allowed_fetcher
 from ..frontends.ws import WsServer, serve_ws
 from ..limits import ACCEPT_BURST
 from .config_file import FileConfig, parse_host_port
+from .tls import server_ssl_context, tls_listeners
 
 if TYPE_CHECKING:
+    import ssl
     from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
@@ -127,22 +129,37 @@ class ServingAddresses:
 
     http: tuple[str, int]
     ws: tuple[str, int] | None
+    tls: bool = False
 
     @property
     def http_url(self) -> str:
         host, port = self.http
-        return f"http://{_url_host(host)}:{port}"
+        return f"{'https' if self.tls else 'http'}://{_url_host(host)}:{port}"
 
     @property
     def ws_url(self) -> str | None:
         if self.ws is None:
             return None
         host, port = self.ws
-        return f"ws://{_url_host(host)}:{port}/v1/ws"
+        return f"{'wss' if self.tls else 'ws'}://{_url_host(host)}:{port}/v1/ws"
 
 
 def _listener(sock: socket.socket) -> trio.SocketListener:
     return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+
+
+async def _ws_listeners(
+    host: str | None,
+    port: int,
+    sockets: Sequence[socket.socket] | None,
+    tls: ssl.SSLContext | None,
+) -> list[trio.SocketListener]:
+    if sockets is None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    else:
+        listeners = [_listener(sock) for sock in sockets]
+    # serve_ws only accepts from its listeners (trio.serve_listeners) and reads their sockets.
+    return cast("list[trio.SocketListener]", tls_listeners(listeners, tls))
 
 
 def _url_host(host: str) -> str:
@@ -170,6 +187,9 @@ async def serve_router(
     cancelled at once (workers are still told to abort, shielded and bounded).
     """
     server = config.server
+    tls = None
+    if server.ssl_certfile is not None:
+        tls = server_ssl_context(server.ssl_certfile, server.ssl_keyfile)
     async with (
         open_router(config.router, backend_factory=backend_factory) as router,
         open_discovery(router, config.discovery),
@@ -191,7 +211,7 @@ async def serve_router(
                 else:
                     listeners = [_listener(sock) for sock in http_sockets]
                 # serve_http only accepts from its listeners (trio.serve_listeners).
-                bursting = [BurstListener(item) for item in listeners]
+                bursting = tls_listeners([BurstListener(item) for item in listeners], tls)
                 await acceptors.start(
                     partial(
                         serve_http,
@@ -218,13 +238,12 @@ async def serve_router(
                             ws_port,
                             settings=ws_settings,
                             handler_nursery=connections,
-                            listeners=None
-                            if ws_sockets is None
-                            else [_listener(sock) for sock in ws_sockets],
+                            listeners=await _ws_listeners(ws_host, ws_port, ws_sockets, tls),
                         )
                     )
                     ws_address = (ws_host, ws_server.port)
-                task_status.started((ServingAddresses(http_address, ws_address), router))
+                addresses = ServingAddresses(http_address, ws_address, tls=tls is not None)
+                task_status.started((addresses, router))
                 await stop.wait()
                 app.draining = True
                 if server.drain_notice_s > 0:
