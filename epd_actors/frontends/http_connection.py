@@ -169,6 +169,7 @@ class HttpConnection:
         self.saw_eof = False
         self.close_after = False
         self.exchange: _Exchange | None = None
+        self._cors: tuple[tuple[str, str], ...] = ()  # CORS headers of the current answer
         # The reader task and the request loop: see ``_read_loop``.
         self._arrived = trio.Event()  # set by the reader when it fed h11 (or saw EOF)
         self._wanted = trio.Event()  # set by the request loop when it waits for bytes
@@ -237,6 +238,7 @@ class HttpConnection:
 
     async def _refuse_head(self, exc: HttpError) -> None:
         self.exchange = exchange = _Exchange("-", "-", new_request_id(), trio.current_time())
+        self._cors = ()
         self.close_after = True
         try:
             await self._send_error(exc)
@@ -253,6 +255,7 @@ class HttpConnection:
         path = request.target.split(b"?", 1)[0].decode("latin-1")
         method = request.method.decode("latin-1")
         self.exchange = exchange = _Exchange(method, path, rid, trio.current_time())
+        self._cors = self.settings.cors.response_headers(headers.get("origin", ""))
         if path == self._upgrade_path and wants_websocket(method, headers):
             exchange.route, exchange.status = path, 101
             self.upgrade = request  # answered by the WebSocket server (upgraded_stream)
@@ -283,7 +286,15 @@ class HttpConnection:
         exchange.route = path
         if method == "OPTIONS":
             await self._read_body(0)
-            await self._send_bytes(204, b"", (("allow", allowed_methods(allowed)),))
+            extra: tuple[tuple[str, str], ...] = (("allow", allowed_methods(allowed)),)
+            if "access-control-request-method" in headers:  # a CORS preflight
+                self._cors = ()
+                extra += self.settings.cors.preflight_headers(
+                    headers.get("origin", ""),
+                    allowed_methods(allowed),
+                    headers.get("access-control-request-headers", ""),
+                )
+            await self._send_bytes(204, b"", extra)
             return
         if method != allowed and not (method == "HEAD" and allowed == "GET"):
             raise HttpError(
@@ -556,7 +567,7 @@ class HttpConnection:
     # -- writing
 
     def _headers(self, extra: tuple[tuple[str, str], ...] = ()) -> list[tuple[str, str]]:
-        headers = [("x-request-id", self.rid), *extra]
+        headers = [("x-request-id", self.rid), *self._cors, *extra]
         if self.close_after:
             headers.append(("connection", "close"))
         return headers

@@ -5,13 +5,14 @@ Theory of operation
 :func:`serve_ws` accepts TCP connections with ``trio.serve_listeners`` and
 gives each to :meth:`WsServer.handle_stream`, the per-connection error
 boundary (the HTTP front end also hands it the connections that ask for an
-upgrade on its port, :mod:`.ws_upgrade`): it runs trio-websocket's handshake (``wrap_server_stream``: its
-reader task parses the request) and :meth:`WsServer.handle_request`, which
-refuses a wrong path (404) or a missing or wrong API key (401) and otherwise
-accepts and serves the connection with a :class:`WsConnection`.  Whatever
-fails there, in our code or in trio-websocket's tasks (a reset in the middle
-of the handshake, bytes that are not a handshake, a header wsproto cannot
-decode), ends that connection only.  docs/websocket.md defines the messages.
+upgrade on its port, :mod:`.ws_upgrade`): it runs trio-websocket's handshake
+(``wrap_server_stream``: its reader task parses the request) and
+:meth:`WsServer.handle_request`, which refuses a wrong path (404) or a missing
+or wrong API key (401) and otherwise accepts and serves the connection with a
+:class:`WsConnection`. Whatever fails there, in our code or in
+trio-websocket's tasks (a reset in the middle of the handshake, bytes that are not
+a handshake, a header wsproto cannot decode), ends that connection only.
+docs/websocket.md defines the messages.
 
 The messages themselves (parsing and building them) live in
 :mod:`.ws_messages`; this module does the I/O.

@@ -24,6 +24,7 @@ from .. import __version__
 from .._groups import first_leaf
 from ..bench.cli import add_bench_arguments, run_bench
 from ..errors import ConfigError
+from ..frontends.cors import CorsPolicy, parse_origins
 from ..logs import LOG_FORMATS, configure_logging
 from .check_config import add_check_config_arguments, check_topology, run_check_config
 from .config_file import FileConfig, load_config, parse_host_port
@@ -104,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--ssl-keyfile",
         default=None,
         help="PEM private key of --ssl-certfile (overrides [server] ssl_keyfile)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="origins browsers may call the API from: comma-separated or a JSON list, "
+        "'*' for any (overrides [server] allowed_origins)",
     )
     serve.add_argument(
         "--access-log",
@@ -196,6 +204,9 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.access_log:
             server = replace(server, http=replace(server.http, access_log=True))
         server = tls_overrides(server, args)
+        if args.allowed_origins is not None:
+            cors = CorsPolicy(parse_origins(args.allowed_origins))
+            server = replace(server, http=replace(server.http, cors=cors))
         server = serve_processes_overrides(server, args)
         config = replace(config, server=server)
         child = child_spec()

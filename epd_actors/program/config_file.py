@@ -38,6 +38,7 @@ from ..core.health import HealthPolicy
 from ..core.retry import RetryPolicy
 from ..core.tracing.config import TracingConfig
 from ..errors import ConfigError
+from ..frontends.cors import CorsPolicy
 from ..frontends.http_app import HttpSettings
 from ..frontends.ws import WsSettings
 from ..lora import LoraAdapter
@@ -195,6 +196,10 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
     if ssl_keyfile is not None and ssl_certfile is None:
         raise ConfigError(f"{table.key('ssl_keyfile')}: needs ssl_certfile too")
     fields = _field_policy(table)
+    try:
+        cors = CorsPolicy(table.strings("allowed_origins"))
+    except ConfigError as exc:
+        raise ConfigError(f"{table.key('allowed_origins')}: {exc}") from None
     media = _media(table.table("media"))
     http = read_settings(
         table.table("http"),
@@ -204,6 +209,7 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
         access_log=access_log,
         media=media,
         fields=fields,
+        cors=cors,
     )
     ws = read_settings(table.table("ws"), WsSettings, api_keys=api_keys, media=media, fields=fields)
     table.done()
