@@ -16,7 +16,6 @@ import resource
 import signal
 import sys
 from dataclasses import replace
-from functools import partial
 
 import trio
 
@@ -32,6 +31,7 @@ from .local import add_local_arguments, run_local
 from .process_child import child_spec, serve_child
 from .processes import child_command, run_processes, serve_processes_overrides
 from .serve import serve_router
+from .signals import stop_on_signals
 from .tls import server_ssl_context, tls_overrides
 from .worker import add_worker_arguments, run_worker
 
@@ -232,13 +232,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(config: FileConfig) -> None:
+    """Serve until a signal; a second one stops at once (:mod:`.signals`)."""
     stop = trio.Event()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            addresses, _router = await nursery.start(partial(serve_router, config, stop=stop))
+
+            async def serve(task_status: trio.TaskStatus[object]) -> None:
+                await serve_router(config, stop=stop, task_status=task_status)
+                nursery.cancel_scope.cancel(reason="router stopped")  # stop watching signals
+
+            addresses, _router = await nursery.start(serve)
             print(f"epd_actors: router listening on {addresses.http_url}", flush=True)
             if addresses.ws_url:
                 print(f"epd_actors: WebSocket streaming on {addresses.ws_url}", flush=True)
-            async for _ in signals:
-                stop.set()
-                break
+            await stop_on_signals(
+                signals, stop, nursery.cancel_scope.cancel, prog="epd_actors serve"
+            )

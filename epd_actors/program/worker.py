@@ -88,6 +88,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "native protocol, for the openai_http backend; sim engine only, no auth (testing)",
     )
     parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="drain and exit when stdin reaches its end: started by a parent that holds the "
+        "pipe's other end (python -m epd_actors local does), it never outlives that parent",
+    )
+    parser.add_argument(
         "--metrics-listen",
         default=None,
         metavar="tcp://HOST:PORT",
@@ -205,17 +211,28 @@ async def _serve_vllm_worker(
 
     async with open_vllm_engine(Role(args.role), args.model, options) as engine:
         await serve_worker_process(
-            WorkerServer(engine, config), args.listen, metrics_listen=args.metrics_listen
+            WorkerServer(engine, config),
+            args.listen,
+            metrics_listen=args.metrics_listen,
+            exit_with_parent=args.exit_with_parent,
         )
 
 
 async def serve_worker_process(
-    server: WorkerServer, listen: str, *, metrics_listen: str | None = None
+    server: WorkerServer,
+    listen: str,
+    *,
+    metrics_listen: str | None = None,
+    exit_with_parent: bool = False,
 ) -> None:
     """Bind, announce the address, serve; SIGTERM/SIGINT start a drain.
 
     With ``metrics_listen``, the process's Prometheus registry is served there
     too (announced on a second line, ``... metrics on http://HOST:PORT/metrics``).
+    With ``exit_with_parent``, the end of stdin starts a drain too: the parent
+    that started this process holds the pipe's write end, and the kernel
+    closes it when that parent dies, even of ``kill -9`` (``PR_SET_PDEATHSIG``
+    would follow the thread that started the child, which Trio does not fix).
 
     Returns once the drain finished (the metrics endpoint stops with it).
     Cancellation: cancelling this coroutine stops the worker at once (jobs are
@@ -246,6 +263,26 @@ async def serve_worker_process(
                 flush=True,
             )
             nursery.start_soon(_drain_on_signal, server, signals)
+            if exit_with_parent:
+                nursery.start_soon(
+                    _drain_when_stdin_ends, server, trio.lowlevel.FdStream(os.dup(0))
+                )
+
+
+async def _drain_when_stdin_ends(server: WorkerServer, stdin: trio.abc.ReceiveStream) -> None:
+    """Begin a drain when ``stdin`` ends (whatever arrives before is ignored).
+
+    Cancellation: returns when cancelled (the worker stopped by itself); the
+    stream is closed either way.
+    """
+    async with stdin:
+        try:
+            while await stdin.receive_some(512):
+                pass
+        except (trio.BrokenResourceError, OSError):
+            pass
+    logger.warning("worker %s: the parent process is gone; draining", server.config.worker_id)
+    server.begin_drain("the parent process is gone")
 
 
 async def _serve_until_drained(
@@ -271,7 +308,11 @@ def _run_sim_worker(args: argparse.Namespace) -> None:
     with sim_worker_kv_events(server.engine):
         trio.run(
             functools.partial(
-                serve_worker_process, server, args.listen, metrics_listen=args.metrics_listen
+                serve_worker_process,
+                server,
+                args.listen,
+                metrics_listen=args.metrics_listen,
+                exit_with_parent=args.exit_with_parent,
             )
         )
 
