@@ -219,7 +219,8 @@ async def _supervise(
                 nursery.start_soon(_forward_output, reader, spec.worker_id)
             status = await process.wait()
             assert process.stdin is not None
-            await process.stdin.aclose()
+            with trio.CancelScope(shield=True):  # instant; the exit must still be recorded
+                await process.stdin.aclose()
         worker.exits.append(status)
         if deployment.stopping or not restart:
             return
