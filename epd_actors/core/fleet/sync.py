@@ -110,6 +110,10 @@ async def _apply_drain(router: Router, change: WorkerChange) -> None:
     router.drain_worker(change.worker_id, origin=change.origin)
 
 
+async def _apply_resume(router: Router, change: WorkerChange) -> None:
+    router.resume_worker(change.worker_id, origin=change.origin)
+
+
 async def _apply_remove(router: Router, change: WorkerChange) -> None:
     router.remove_worker(change.worker_id, origin=change.origin)
 
@@ -117,6 +121,7 @@ async def _apply_remove(router: Router, change: WorkerChange) -> None:
 APPLY: dict[str, Callable[[Router, WorkerChange], Coroutine[Any, Any, None]]] = {
     "add": _apply_add,
     "drain": _apply_drain,
+    "resume": _apply_resume,
     "remove": _apply_remove,
 }
 """How a replica applies another replica's change, by action."""
@@ -298,7 +303,9 @@ class FleetSync:
             logger.info(
                 "shared state: worker %s %s by router %s",
                 change.worker_id,
-                {"add": "added", "drain": "drained", "remove": "removed"}[change.action],
+                {"add": "added", "drain": "drained", "resume": "resumed", "remove": "removed"}[
+                    change.action
+                ],
                 change.origin.partition("#")[0],
             )
 
