@@ -91,6 +91,10 @@ class Router(Protocol):
         """Send a worker no new work."""
         ...
 
+    def resume_worker(self, worker_id: str, *, origin: str | None = None) -> None:
+        """Send a drained worker new work again."""
+        ...
+
     def remove_worker(self, worker_id: str, *, origin: str | None = None) -> None:
         """Take a worker out of its pool."""
         ...
