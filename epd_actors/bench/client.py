@@ -23,6 +23,8 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
+from .stats import parse_timings
+
 if TYPE_CHECKING:
     from .stats import RequestRecord
 
@@ -38,6 +40,8 @@ _EMPTY_TEXT: Final = (
     b'"content": null',
 )
 _USAGE_KEYS: Final = (b'"usage":{', b'"usage": {')
+# The router's per-stage timings in a stream: an SSE comment just before [DONE].
+_TIMINGS_COMMENT: Final = b": timings "
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +155,10 @@ class _StreamScan:
         self.pending = chunks.pop()
         for event in chunks:
             if not event.startswith(b"data:"):
-                if event.startswith(b"event: error"):
+                if event.startswith(_TIMINGS_COMMENT):
+                    timings = event[len(_TIMINGS_COMMENT) :].split(b"\n", 1)[0]
+                    self.record.stages = parse_timings(timings.decode(errors="replace"))
+                elif event.startswith(b"event: error"):
                     self.error = "error event: " + event[-200:].decode(errors="replace")
                 continue
             self.events += 1
@@ -168,17 +175,18 @@ class _StreamScan:
             elif event.startswith(b"data: [DONE]"):
                 self.done = True
             elif any(key in event for key in _USAGE_KEYS):
-                self.record.output_tokens = _completion_tokens(event[5:])
+                self.record.input_tokens, self.record.output_tokens = _usage(event[5:])
             elif event.startswith((b'data: {"error"', b'data:{"error"')):
                 self.error = "error event: " + event[-200:].decode(errors="replace")
 
 
-def _completion_tokens(payload: bytes) -> int:
+def _usage(payload: bytes) -> tuple[int, int]:
+    """``(prompt_tokens, completion_tokens)`` of a body with ``usage`` (zeros if malformed)."""
     try:
         usage = json.loads(payload)["usage"]
-        return int(usage.get("completion_tokens") or 0)
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
     except (ValueError, KeyError, TypeError, AttributeError):
-        return 0
+        return 0, 0
 
 
 async def send_request(
@@ -212,6 +220,9 @@ async def send_request(
                 continue
             if isinstance(event, h11.Response):
                 record.status = event.status_code
+                for name, value in event.headers:
+                    if name == b"x-epd-timings":
+                        record.stages = parse_timings(value.decode(errors="replace"))
             elif isinstance(event, h11.Data):
                 if stream and record.status == 200:
                     scan.feed(bytes(event.data), trio.current_time())
@@ -256,6 +267,7 @@ def _finish_plain(body: bytes, record: RequestRecord) -> None:
     record.ttft = record.e2e
     try:
         usage = json.loads(body).get("usage") or {}
+        record.input_tokens = int(usage.get("prompt_tokens") or 0)
         record.output_tokens = int(usage.get("completion_tokens") or 0)
     except (ValueError, AttributeError, TypeError):
         record.error = "response body is not JSON"
