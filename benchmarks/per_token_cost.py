@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 import h11
 
-from epd_actors.backends.openai_http.contract import DeltaParser, SseDecoder
+from epd_actors.backends.openai_http.contract import DeltaParser
+from epd_actors.http.sse import SseDecoder
 from epd_actors.protocol import Delta, decode_body, encode
 from epd_actors.protocol.codec import HEADER
 

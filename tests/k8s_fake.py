@@ -1,7 +1,8 @@
 """A fake Kubernetes API server for EndpointSlices: list, watch, bookmarks, 410 Gone.
 
-It speaks the parts of the real protocol a discovery uses, over HTTP/1.1 (h11)
-on a loopback port, optionally behind TLS:
+It speaks the parts of the real protocol a discovery uses, over HTTP/1.1 (the
+package's server shell, ``epd_actors.http.server``) on a loopback port,
+optionally behind TLS:
 
 - ``GET /apis/discovery.k8s.io/v1/namespaces/NS/endpointslices?labelSelector=k=v,...``
   answers an ``EndpointSliceList`` whose ``metadata.resourceVersion`` is the
@@ -30,11 +31,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-import h11
 import trio
+
+from epd_actors.http.server import HttpResponse, HttpServer
 
 if TYPE_CHECKING:
     import ssl
+
+    from epd_actors.http.server import HttpRequest, Responder
 
 PREFIX = "/apis/discovery.k8s.io/v1/namespaces/"
 
@@ -178,44 +182,23 @@ class FakeApiServer:
     async def _connection(self, stream: trio.abc.Stream) -> None:
         if self.ssl_context is not None:
             stream = trio.SSLStream(stream, self.ssl_context, server_side=True)
-        conn = h11.Connection(h11.SERVER)
-        try:
-            while True:
-                request = await _next_event(stream, conn)
-                if not isinstance(request, h11.Request):
-                    return
-                while not isinstance(await _next_event(stream, conn), h11.EndOfMessage):
-                    pass
-                await self._answer(stream, conn, request)
-                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                    return
-                conn.start_next_cycle()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
-            return
-        finally:
-            await trio.aclose_forcefully(stream)
+        await HttpServer(self._answer, name="fake-kubernetes").handle_connection(stream)
 
-    async def _answer(
-        self, stream: trio.abc.Stream, conn: h11.Connection, request: h11.Request
-    ) -> None:
-        target = urlsplit(request.target.decode())
+    async def _answer(self, request: HttpRequest, responder: Responder) -> HttpResponse | None:
+        target = urlsplit(request.target)
         query = {k: v[-1] for k, v in parse_qs(target.query).items()}
-        auth = dict(request.headers).get(b"authorization")
-        seen = Seen(target.path, query, auth.decode() if auth else None)
+        seen = Seen(target.path, query, request.header("authorization"))
         self.requests.append(seen)
         self._note()
         if seen.authorization != f"Bearer {self.token}":
-            await _send_json(stream, conn, 401, _status(401, "Unauthorized", "Unauthorized"))
-            return
+            return _json(401, _status(401, "Unauthorized", "Unauthorized"))
         parts = target.path[len(PREFIX) :].split("/") if target.path.startswith(PREFIX) else []
         if len(parts) != 2 or parts[1] != "endpointslices":
-            await _send_json(stream, conn, 404, _status(404, "NotFound", "no such path"))
-            return
+            return _json(404, _status(404, "NotFound", "no such path"))
         namespace = parts[0]
         selector = _selector(query.get("labelSelector", ""))
         if seen.watch:
-            await self._watch(stream, conn, namespace, selector, query)
-            return
+            return await self._watch(responder, namespace, selector, query)
         items = [
             obj
             for (ns, _), obj in sorted(self.slices.items())
@@ -227,26 +210,24 @@ class FakeApiServer:
             "metadata": {"resourceVersion": str(self.version)},
             "items": items,
         }
-        await _send_json(stream, conn, 200, body)
+        return _json(200, body)
 
     async def _watch(
         self,
-        stream: trio.abc.Stream,
-        conn: h11.Connection,
+        responder: Responder,
         namespace: str,
         selector: dict[str, str],
         query: dict[str, str],
-    ) -> None:
+    ) -> HttpResponse | None:
         since = int(query.get("resourceVersion") or self.version)
         if since < self.floor:
             gone = _status(410, "Expired", f"too old resource version: {since} ({self.floor})")
             if self.gone_as_http:
-                await _send_json(stream, conn, 410, gone)
-                return
-            await _start_stream(stream, conn)
-            await _send_line(stream, conn, {"type": "ERROR", "object": gone})
-            await stream.send_all(conn.send(h11.EndOfMessage()))
-            return
+                return _json(410, gone)
+            await responder.start(200, _STREAM_HEAD)
+            await responder.send(_line({"type": "ERROR", "object": gone}))
+            await responder.end()
+            return None
         send, receive = trio.open_memory_channel[dict[str, Any] | None](1000)
         watcher = _Watcher(namespace, selector, query.get("allowWatchBookmarks") == "true", send)
         for version, kind, obj in self.history:
@@ -259,16 +240,17 @@ class FakeApiServer:
         self.watchers.append(watcher)
         timeout = float(query.get("timeoutSeconds") or 3600)
         try:
-            await _start_stream(stream, conn)
+            await responder.start(200, _STREAM_HEAD)
             with trio.move_on_after(timeout):
                 async for event in receive:
                     if event is None:
                         break
-                    await _send_line(stream, conn, event)
-            await stream.send_all(conn.send(h11.EndOfMessage()))
+                    await responder.send(_line(event))
+            await responder.end()
         finally:
             if watcher in self.watchers:
                 self.watchers.remove(watcher)
+        return None
 
 
 def endpoint_slice(
@@ -334,30 +316,12 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     }
 
 
-async def _next_event(stream: trio.abc.Stream, conn: h11.Connection) -> Any:
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = await stream.receive_some(65536)
-            conn.receive_data(data)
-            if not data and conn.their_state is h11.IDLE:
-                return None
-            continue
-        return event
+_STREAM_HEAD = [("content-type", "application/json")]  # chunked: the shell frames it
 
 
-async def _send_json(stream: trio.abc.Stream, conn: h11.Connection, status: int, body: Any) -> None:
-    payload = json.dumps(body).encode()
-    headers = [("content-type", "application/json"), ("content-length", str(len(payload)))]
-    await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)))
-    await stream.send_all(conn.send(h11.Data(data=payload)))
-    await stream.send_all(conn.send(h11.EndOfMessage()))
+def _json(status: int, body: Any) -> HttpResponse:
+    return HttpResponse(status, json.dumps(body).encode(), "application/json")
 
 
-async def _start_stream(stream: trio.abc.Stream, conn: h11.Connection) -> None:
-    headers = [("content-type", "application/json"), ("transfer-encoding", "chunked")]
-    await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
-
-
-async def _send_line(stream: trio.abc.Stream, conn: h11.Connection, event: dict[str, Any]) -> None:
-    await stream.send_all(conn.send(h11.Data(data=json.dumps(event).encode() + b"\n")))
+def _line(event: dict[str, Any]) -> bytes:
+    return json.dumps(event).encode() + b"\n"

@@ -1,4 +1,5 @@
-"""Helpers of the real-vLLM lane that run without vLLM: the NIXL patch and the port picker.
+"""Helpers of the real-vLLM lane that run without vLLM: the NIXL patch, the port picker,
+the routers' configuration and the reading of ``x-epd-timings``.
 
 The lane itself (``tests/real_vllm``, marker ``real_vllm``) proves they work
 against real engines; these tests pin their failure paths, which the lane
@@ -8,15 +9,16 @@ cannot provoke.
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING
+import tomllib
+from pathlib import Path
 
 import pytest
 
+from epd_actors.core.config import validate
+from epd_actors.program.config_file import FileConfig, parse_config
+from epd_actors.request import RequestTimings
 from tests.real_vllm import fleet
 from tests.real_vllm.patch_venv import NIXL_POLL, NIXL_SPIN, patch_nixl_progress_delay
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 API_LINES = "        agent_config.useProgThread = nixl_conf.enable_pthread\n        {}"
 
@@ -72,3 +74,52 @@ def test_a_port_in_use_is_not_handed_out(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setattr(fleet, "_handed_out", set())
         with pytest.raises(RuntimeError, match="no free loopback port"):
             fleet.free_port()
+
+
+def engine(name: str, stage: str, port: int, backend: str) -> fleet.Engine:
+    """An engine as start_engine describes it (its process is never started)."""
+    role = fleet.Role(name, stage, "qwen2vl")
+    process = fleet.Process(name, ["true"], Path("unused.log"))
+    scheme = "http" if backend == "openai_http" else "tcp"
+    return fleet.Engine(role, process, f"{scheme}://127.0.0.1:{port}", "unused")
+
+
+def lane_config(options: dict[str, list[str]] | None, backend: str = "openai_http") -> FileConfig:
+    pools = {
+        "encode": [engine("e", "encode", 9001, backend)],
+        "prefill": [engine("p", "prefill", 9002, backend)],
+        "decode": [engine("d", "decode", 9003, backend)],
+    }
+    text = fleet.router_toml("/models/qwen2vl", pools, backend, 9000, options)
+    config = parse_config(tomllib.loads(text), environ={"EPD_AUTH_TOKEN": "secret"})
+    validate(config.router)  # what `serve` checks at start-up
+    return config
+
+
+def test_the_reuse_router_remembers_encoder_outputs_in_its_encode_pool_only() -> None:
+    config = lane_config({"encode": fleet.ENCODER_REUSE})
+    reuse = {pool.stage: pool.encoder_reuse for pool in config.router.pools}
+    assert reuse["encode"].mode == "ttl"
+    assert reuse["encode"].scope == "shared"
+    assert reuse["encode"].ttl_s == 600
+    assert reuse["prefill"].mode == reuse["decode"].mode == "off"
+
+
+def test_the_other_routers_do_not_reuse() -> None:
+    for backend in ("openai_http", "native"):
+        config = lane_config(None, backend)
+        assert all(pool.encoder_reuse.mode == "off" for pool in config.router.pools)
+
+
+def test_the_stages_a_router_ran_are_read_from_its_timings_header() -> None:
+    timings = RequestTimings(
+        queue_wait_s=0.001,
+        stages={"encode": 0.01, "prefill": 0.02, "decode": 0.03},
+        ttft_s=0.025,
+        total_s=0.05,
+        workers={"encode": ("e",), "prefill": ("p",), "decode": ("d",)},
+    )
+    assert fleet.ran_stages(timings.header_value()) == {"encode", "prefill", "decode"}
+    skipped = RequestTimings(0.0, {"pd": 0.02}, None, 0.03, {"pd": ("pd",)})
+    assert fleet.ran_stages(skipped.header_value()) == {"pd"}
+    assert fleet.ran_stages("") == set()

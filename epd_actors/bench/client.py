@@ -1,14 +1,16 @@
-"""A lean HTTP/1.1 client for the load generator: h11 over Trio, keep-alive, cheap SSE scanning.
+"""The load generator's requests: the package's HTTP client and SSE decoder, cheap per event.
 
 Theory of operation: :class:`Target` says where to send (host, port, path,
-key) and pre-renders the request head; :class:`ConnectionPool` keeps idle
-keep-alive connections; :func:`send_request` sends one body on one
-connection and fills a :class:`~.stats.RequestRecord`.
+key); :func:`open_client` opens the package's keep-alive client
+(:class:`~epd_actors.http.client.WorkerHttpClient`, one write per request,
+idle connections reused newest first); :func:`send_request` sends one body
+and fills a :class:`~.stats.RequestRecord`.
 
-Per event the client does only byte searches in C: it splits the body on
-the blank line that ends an SSE event, counts ``data:`` events, takes the
-first one that carries text as the first token, and parses JSON only for
-the one ``usage`` event at the end (the output-token count).  A response is
+Per event the client does only string searches in C: the package's SSE
+decoder (:class:`~epd_actors.http.sse.SseDecoder`) splits the body into
+events, the scan counts the message events, takes the first one that
+carries text as the first token, and parses JSON only for the one ``usage``
+event at the end (the output-token count).  A response is
 a success when it is 200 and, streamed, ends with ``data: [DONE]`` and has no
 error event.
 """
@@ -20,28 +22,39 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit
 
-import h11
 import trio
 
+from ..http.client import (
+    ClientLimits,
+    ConnectFailed,
+    ConnectionLost,
+    HttpClientError,
+    WorkerHttpClient,
+)
+from ..http.sse import DONE_DATA, SseDecoder, SseError
 from .stats import parse_timings
 
 if TYPE_CHECKING:
     from .stats import RequestRecord
 
-RECEIVE_BYTES: Final = 65536
+MAX_EVENT_BYTES: Final = 1 << 20
+MAX_BODY_BYTES: Final = 16 << 20
+_UNBOUNDED: Final = 1 << 20
 # An event that is text-carrying has one of these keys and not its empty form.
-_TEXT_KEYS: Final = (b'"content":', b'"content": ', b'"text":', b'"text": ')
+_TEXT_KEYS: Final = ('"content":', '"content": ', '"text":', '"text": ')
 _EMPTY_TEXT: Final = (
-    b'"content":""',
-    b'"content": ""',
-    b'"text":""',
-    b'"text": ""',
-    b'"content":null',
-    b'"content": null',
+    '"content":""',
+    '"content": ""',
+    '"text":""',
+    '"text": ""',
+    '"content":null',
+    '"content": null',
 )
-_USAGE_KEYS: Final = (b'"usage":{', b'"usage": {')
-# The router's per-stage timings in a stream: an SSE comment just before [DONE].
-_TIMINGS_COMMENT: Final = b": timings "
+_USAGE_KEYS: Final = ('"usage":{', '"usage": {')
+# The router's per-stage timings in a stream: an SSE comment just before [DONE]
+# (the SSE decoder skips comments, so the raw bytes are searched for it).
+_TIMINGS_COMMENT: Final = b"\n: timings "
+_CARRY_BYTES: Final = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,72 +89,71 @@ class Target:
             prefix = prefix[: -len("/v1")]
         return cls(parts.hostname, parts.port or 80, prefix + path, api_key)
 
-    def headers(self, body_length: int) -> list[tuple[str, str]]:
-        headers = [
-            ("Host", f"{self.host}:{self.port}"),
-            ("Content-Type", "application/json"),
-            ("Content-Length", str(body_length)),
-            ("Accept", "text/event-stream, application/json"),
-        ]
+    def headers(self) -> list[tuple[str, str]]:
+        """Headers of every request beside those the client adds (host, content type and length)."""
+        headers = [("Accept", "text/event-stream, application/json")]
         if self.api_key:
             headers.append(("Authorization", f"Bearer {self.api_key}"))
         headers.extend(self.extra_headers)
         return headers
 
 
-class Connection:
-    """One keep-alive connection (not shared between concurrent requests)."""
+@dataclass(frozen=True, slots=True)
+class LoadClient:
+    """Where requests go and the keep-alive client that sends them."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.h11 = h11.Connection(our_role=h11.CLIENT)
+    target: Target
+    http: WorkerHttpClient
 
     @property
-    def reusable(self) -> bool:
-        return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+    def connections_opened(self) -> int:
+        return self.http.connections_opened
 
     async def aclose(self) -> None:
-        with trio.CancelScope(shield=True):
-            await self.stream.aclose()
+        """Close the idle connections (shielded, bounded)."""
+        await self.http.aclose()
 
 
-class ConnectionPool:
-    """Idle connections to one target, reused in LIFO order."""
+def open_client(target: Target, *, timeout_s: float) -> LoadClient:
+    """The package's keep-alive HTTP client for ``target``, bounded for a load generator.
 
-    def __init__(self, target: Target) -> None:
-        self.target = target
-        self._idle: list[Connection] = []
-        self.opened = 0
-
-    async def acquire(self) -> Connection:
-        if self._idle:
-            return self._idle.pop()
-        stream = await trio.open_tcp_stream(self.target.host, self.target.port)
-        self.opened += 1
-        return Connection(stream)
-
-    async def release(self, connection: Connection) -> None:
-        if connection.reusable:
-            connection.h11.start_next_cycle()
-            self._idle.append(connection)
-        else:
-            await connection.aclose()
-
-    async def aclose(self) -> None:
-        idle, self._idle = self._idle, []
-        for connection in idle:
-            await connection.aclose()
+    Connections are opened as requests need them and reused newest first; no
+    limit on their number beyond the load's own concurrency.  ``timeout_s``
+    bounds a connect and every wait for response bytes.
+    """
+    host = f"[{target.host}]" if ":" in target.host else target.host
+    limits = ClientLimits(
+        connect_timeout_s=timeout_s,
+        read_timeout_s=timeout_s,
+        write_timeout_s=timeout_s,
+        pool_timeout_s=timeout_s,
+        max_connections=_UNBOUNDED,
+        max_keepalive_connections=_UNBOUNDED,
+        keepalive_expiry_s=timeout_s,
+    )
+    return LoadClient(target, WorkerHttpClient(f"http://{host}:{target.port}", limits))
 
 
 class _StreamScan:
-    """Scans SSE bytes as they arrive; see the module docstring."""
+    """Reads SSE bytes as they arrive; see the module docstring."""
 
-    __slots__ = ("done", "error", "events", "last_text", "pending", "record", "t0", "text_events")
+    __slots__ = (
+        "carry",
+        "decoder",
+        "done",
+        "error",
+        "events",
+        "last_text",
+        "record",
+        "t0",
+        "text_events",
+    )
 
     def __init__(self, record: RequestRecord, t0: float) -> None:
         self.record = record
         self.t0 = t0
-        self.pending = b""
+        self.decoder = SseDecoder(MAX_EVENT_BYTES)
+        self.carry = b""  # the last bytes seen, for a comment split across reads
         self.events = 0
         self.text_events = 0
         self.last_text = 0.0
@@ -149,21 +161,20 @@ class _StreamScan:
         self.error: str | None = None
 
     def feed(self, data: bytes, now: float) -> None:
-        if self.pending:
-            data = self.pending + data
-        chunks = data.split(b"\n\n")
-        self.pending = chunks.pop()
-        for event in chunks:
-            if not event.startswith(b"data:"):
-                if event.startswith(_TIMINGS_COMMENT):
-                    timings = event[len(_TIMINGS_COMMENT) :].split(b"\n", 1)[0]
-                    self.record.stages = parse_timings(timings.decode(errors="replace"))
-                elif event.startswith(b"event: error"):
-                    self.error = "error event: " + event[-200:].decode(errors="replace")
+        self._find_timings(data)
+        try:
+            events = self.decoder.feed(data)
+        except SseError as exc:
+            self.error = f"bad event stream: {exc}"
+            return
+        for event in events:
+            payload = event.data
+            if event.event == "error":
+                self.error = "error event: " + payload[-200:]
                 continue
             self.events += 1
-            if any(key in event for key in _TEXT_KEYS) and not any(
-                empty in event for empty in _EMPTY_TEXT
+            if any(key in payload for key in _TEXT_KEYS) and not any(
+                empty in payload for empty in _EMPTY_TEXT
             ):
                 self.text_events += 1
                 elapsed = now - self.t0
@@ -172,15 +183,26 @@ class _StreamScan:
                 else:
                     self.record.gaps.append(elapsed - self.last_text)
                 self.last_text = elapsed
-            elif event.startswith(b"data: [DONE]"):
+            elif payload == DONE_DATA:
                 self.done = True
-            elif any(key in event for key in _USAGE_KEYS):
-                self.record.input_tokens, self.record.output_tokens = _usage(event[5:])
-            elif event.startswith((b'data: {"error"', b'data:{"error"')):
-                self.error = "error event: " + event[-200:].decode(errors="replace")
+            elif any(key in payload for key in _USAGE_KEYS):
+                self.record.input_tokens, self.record.output_tokens = _usage(payload)
+            elif payload.startswith('{"error"'):
+                self.error = "error event: " + payload[-200:]
+
+    def _find_timings(self, data: bytes) -> None:
+        """Read a ``: timings ...`` comment line, even one split across reads."""
+        window = self.carry + data
+        start = window.rfind(_TIMINGS_COMMENT)
+        if start >= 0:
+            end = window.find(b"\n", start + len(_TIMINGS_COMMENT))
+            if end >= 0:
+                line = window[start + len(_TIMINGS_COMMENT) : end]
+                self.record.stages = parse_timings(line.decode(errors="replace"))
+        self.carry = window[-_CARRY_BYTES:]
 
 
-def _usage(payload: bytes) -> tuple[int, int]:
+def _usage(payload: str) -> tuple[int, int]:
     """``(prompt_tokens, completion_tokens)`` of a body with ``usage`` (zeros if malformed)."""
     try:
         usage = json.loads(payload)["usage"]
@@ -190,8 +212,7 @@ def _usage(payload: bytes) -> tuple[int, int]:
 
 
 async def send_request(
-    connection: Connection,
-    target: Target,
+    client: LoadClient,
     body: bytes,
     record: RequestRecord,
     *,
@@ -199,60 +220,48 @@ async def send_request(
 ) -> None:
     """Send ``body``, read the whole response, fill ``record`` (``error`` on failure).
 
-    Raises only on cancellation; I/O and protocol failures become
-    ``record.error`` and leave the connection not reusable.
+    Raises only on cancellation (the client then closes the connection); I/O
+    and protocol failures become ``record.error``.
     """
-    conn = connection.h11
     t0 = trio.current_time()
-    request = h11.Request(method="POST", target=target.path, headers=target.headers(len(body)))
     scan = _StreamScan(record, t0)
-    body_parts: list[bytes] = []
+    answer = b""
     try:
-        head = conn.send(request) or b""
-        payload = conn.send(h11.Data(data=body)) or b""
-        tail = conn.send(h11.EndOfMessage()) or b""
-        await connection.stream.send_all(head + payload + tail)
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                data = await connection.stream.receive_some(RECEIVE_BYTES)
-                conn.receive_data(data)
-                continue
-            if isinstance(event, h11.Response):
-                record.status = event.status_code
-                for name, value in event.headers:
-                    if name == b"x-epd-timings":
-                        record.stages = parse_timings(value.decode(errors="replace"))
-            elif isinstance(event, h11.Data):
-                if stream and record.status == 200:
-                    scan.feed(bytes(event.data), trio.current_time())
-                else:
-                    body_parts.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                break
-            elif isinstance(event, h11.ConnectionClosed):
-                record.error = "connection closed by the server"
-                break
-    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        target = client.target
+        response = await client.http.request("POST", target.path, body, headers=target.headers())
+        try:
+            record.status = response.status
+            for name, value in response.headers:
+                if name == "x-epd-timings":
+                    record.stages = parse_timings(value)
+            if stream and response.status == 200:
+                while (chunk := await response.next_chunk()) is not None:
+                    scan.feed(chunk, trio.current_time())
+            else:
+                answer = await response.read_all(MAX_BODY_BYTES)
+        finally:
+            await response.aclose()
+    except ConnectFailed as exc:
+        record.error = f"cannot connect: {exc}"
+    except ConnectionLost as exc:
+        record.error = f"connection lost: {exc}"
+    except HttpClientError as exc:
         record.error = f"{type(exc).__name__}: {exc}"
-    except h11.ProtocolError as exc:
-        record.error = f"HTTP protocol error: {exc}"
     record.e2e = trio.current_time() - t0
     if record.error is not None:
         return
     if record.status != 200:
-        text = b"".join(body_parts)[:200].decode(errors="replace")
+        text = answer[:200].decode(errors="replace")
         record.error = f"HTTP {record.status}: {text}"
         return
     if stream:
         _finish_stream(scan, record)
     else:
-        _finish_plain(b"".join(body_parts), record)
+        _finish_plain(answer, record)
 
 
 def _finish_stream(scan: _StreamScan, record: RequestRecord) -> None:
-    if scan.pending.strip():
-        scan.feed(b"\n\n", trio.current_time())
+    scan.feed(b"\n\n", trio.current_time())  # ends an event the stream left open
     record.events = scan.events
     if scan.error is not None:
         record.error = scan.error

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import trio
 
-from .client import ConnectionPool, Target, send_request
+from .client import LoadClient, Target, open_client, send_request
 from .payload import BodyMaker, Workload
 from .stats import RequestRecord, Summary, summarize
 
@@ -133,7 +133,7 @@ async def run_load(
     if load.requests is None and load.duration_s is None:
         raise ValueError("give a request count or a duration")
     bodies = BodyMaker(workload, seed=load.seed)
-    pool = ConnectionPool(target)
+    pool = open_client(target, timeout_s=load.timeout_s)
     try:
         if load.warmup > 0:
             warm = LoadSpec(concurrency=max(1, load.concurrency), requests=load.warmup)
@@ -154,13 +154,13 @@ async def run_load(
         ends = [r.start + r.e2e for r in records]
         duration = (max(ends) - min(r.start for r in records)) if records else 0.0
         summary = summarize(records, duration_s=duration, client_cpu_s=cpu)
-        return RunResult(records, summary, pool.opened)
+        return RunResult(records, summary, pool.connections_opened)
     finally:
         await pool.aclose()
 
 
 async def _one(
-    pool: ConnectionPool,
+    pool: LoadClient,
     body: bytes,
     workload: Workload,
     load: LoadSpec,
@@ -170,21 +170,11 @@ async def _one(
     record = RequestRecord(start=trio.current_time() - started)
     meter.in_flight += 1
     try:
-        try:
-            with trio.fail_after(load.timeout_s):
-                connection = await pool.acquire()
-        except (OSError, trio.TooSlowError) as exc:
-            record.error = f"cannot connect: {type(exc).__name__}: {exc}"
-            return record
         with trio.move_on_after(load.timeout_s) as scope:
-            await send_request(connection, pool.target, body, record, stream=workload.stream)
+            await send_request(pool, body, record, stream=workload.stream)
         if scope.cancelled_caught:
             record.error = f"timed out after {load.timeout_s:g} s"
             record.e2e = trio.current_time() - started - record.start
-        if record.error is None:
-            await pool.release(connection)
-        else:
-            await connection.aclose()
         return record
     finally:
         meter.in_flight -= 1
@@ -194,7 +184,7 @@ async def _one(
 
 
 async def _closed_loop(
-    pool: ConnectionPool,
+    pool: LoadClient,
     bodies: BodyMaker,
     workload: Workload,
     load: LoadSpec,
@@ -216,7 +206,7 @@ async def _closed_loop(
 
 
 async def _open_loop(
-    pool: ConnectionPool,
+    pool: LoadClient,
     bodies: BodyMaker,
     workload: Workload,
     load: LoadSpec,

@@ -24,7 +24,7 @@ counts against its breaker, and the actor moves the job to another worker
 room).
 
 When a worker is added, the pool tells its backend what the pool's workers
-must be (:class:`~.backends.base.WorkerRequirement`: the roles that serve the
+must be (:class:`~epd_actors.backends.base.WorkerRequirement`: the roles that serve the
 stage, the pool's model); a backend whose worker announced something else
 reports itself refused, and a refused member is never usable.
 

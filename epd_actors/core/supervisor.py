@@ -45,6 +45,9 @@ reuse on).  When a later stage then fails because such a result is gone (P
 refusing with ``missing_encoder_cache``), the earlier stages name the items to
 run again (:meth:`BaseActor.redo`); the supervisor runs exactly those, then
 the failed stage once more -- once per request, and only before any output.
+An item another request is producing right now may be waited for instead of
+produced again (:meth:`BaseActor.share`: encode, with reuse on; bounded by the
+stage's attempt timeout, after which the waiter produces it itself).
 
 *Cancellation.*  The caller leaving, the deadline, or router shutdown cancels
 the pipeline; every job still running is cancelled, and each backend aborts
@@ -60,6 +63,7 @@ import math
 import random
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -662,11 +666,16 @@ class Supervisor:
         events: trio.MemorySendChannel[GenerationEvent],
         items: list[int | None] | None = None,
     ) -> None:
-        started = trio.current_time()
         if items is None:
             items = actor.recall(context, actor.split(context))
             if not items:
                 return  # every result was remembered: no job, no time spent
+            # The actor may let another request's job in flight stand for some items.
+            bound = actor.attempt_timeout(self.deadlines)
+            run = partial(self._run_stage, actor, context, record, events)
+            await actor.share(context, items, run, bound)
+            return
+        started = trio.current_time()
         failures: list[EpdError] = []
         workers: list[str] = []
         waits: list[float] = []

@@ -16,7 +16,7 @@ the app has an admin hook and admin keys are set; with a WebSocket server
 given, ``GET /v1/ws`` with ``Upgrade: websocket`` becomes a WebSocket
 connection (:mod:`.ws_upgrade`), so one port serves both.  ``/v1/*`` needs an API key
 when any is configured; ``/health`` and ``/metrics`` are open (as in vLLM).
-Errors map to HTTP in :mod:`.http_errors`; settings and the app protocol live
+Errors map to HTTP in :mod:`epd_actors.openai.errors`; settings and the app protocol live
 in :mod:`.http_app`; docs/http.md is the narrative.
 
 Why h11 and not an ASGI server: the front end is on the hot path.  On this

@@ -59,7 +59,7 @@ class HttpSettings:
         access_log: log one INFO line per request.
         media: media limits and the URL/path allow-list.
         fields: what to do with request fields the router does not know
-            (:class:`~.openai_fields.FieldPolicy`: refused by default).
+            (:class:`~epd_actors.openai.fields.FieldPolicy`: refused by default).
         cors: the origins browsers may call from (:mod:`.cors`; none by default).
     """
 

@@ -16,7 +16,7 @@ request goes through:
    body is never read; then ``100 Continue`` if the client waits for it.
 3. *body*, read under ``body_timeout_s`` (408) while counting (413 as soon as a
    chunked body passes the limit); then JSON (400), no lone surrogate in any
-   string (400 naming the field, :mod:`.body_checks`), the OpenAI schema (400
+   string (400 naming the field, :mod:`epd_actors.openai.body_checks`), the OpenAI schema (400
    naming the field), the model name (404), pending media.
 4. *generation*: ``app.generate(request)`` runs while the connection's reader
    task (one per connection, see :meth:`HttpConnection._read_loop`) reads the
@@ -25,7 +25,7 @@ request goes through:
    router abort its workers.  A failed write, or one slower than
    ``write_timeout_s``, does the same.
 
-An answer that is an error is built by :func:`~.http_errors.error_response`.
+An answer that is an error is built by :func:`~epd_actors.openai.errors.error_response`.
 A stream that fails once its headers are out ends with an SSE ``error``
 event, no ``[DONE]``, and the end of its chunked body; the connection then
 serves the client's next request as after any other answer.  When the request body was not
@@ -34,7 +34,7 @@ answer, lingering up to ``linger_s`` so the client reads it instead of a reset.
 
 Streaming does no per-token work it can batch: after one event arrives, every
 event already queued is taken with ``receive_nowait()``, rendered by templating
-(:class:`~.openai_format.SseFormatter`) and written with one ``send_all``.
+(:class:`~epd_actors.openai.format.SseFormatter`) and written with one ``send_all``.
 Backpressure: the router's event channel is bounded and each write waits for
 the socket, so a slow client slows only its own request.
 """

@@ -52,7 +52,7 @@ class DirectSseWriter:
     """A streaming response's direct writer (see the module docstring).
 
     Args:
-        frame: frames a piece of the response's body (:func:`~.http_body.body_framer`).
+        frame: frames a piece of the response's body (:func:`~epd_actors.http.body.body_framer`).
         stream: the client's stream.
         formatter: renders one delta as SSE text.
         logprobs: the request asked for log-probabilities (a delta without
@@ -121,11 +121,11 @@ class DirectSseWriter:
     async def next_batch(
         self, events: trio.MemoryReceiveChannel[GenerationEvent]
     ) -> list[GenerationEvent]:
-        """:func:`~.sse.next_batch`, taking deltas directly while it waits on an empty channel.
+        """Like :func:`~.event_batches.next_batch`; takes deltas directly while none is queued.
 
         The event whose chunk is already in the backlog is left out of the batch.
 
-        Cancellation and backpressure: as :func:`~.sse.next_batch`.
+        Cancellation and backpressure: as :func:`~epd_actors.openai.sse.next_batch`.
         """
         self.idle = not (self.backlog or self.failed or events.statistics().current_buffer_used)
         try:

@@ -25,7 +25,7 @@ A connection owns one nursery holding three kinds of task:
   open) and acts on it: ``generate`` registers the id and starts a generation
   task, ``cancel`` cancels that task's scope, ``ping`` is answered ``pong``;
 * one *generation task* per live id, under its own cancel scope: it parses
-  the OpenAI body with :mod:`.openai_schema` (exactly as the HTTP front end
+  the OpenAI body with :mod:`epd_actors.openai.schema` (exactly as the HTTP front end
   does), loads pending media, runs ``app.generate`` and turns its events into
   ``delta`` messages and one terminal ``done`` / ``error`` / ``cancelled``;
 * one *writer* that sends the messages of all the others, in order, from a
@@ -44,7 +44,7 @@ Cancellation: a ``cancel`` message, or the socket closing, cancels
 generation scopes; leaving ``app.generate`` is what cancels the request and
 makes the router abort its workers (shielded and bounded there).
 
-Errors are mapped once, by :func:`~.http_errors.error_response`; the front end's own
+Errors are mapped once, by :func:`~epd_actors.openai.errors.error_response`; the front end's own
 refusals are :class:`WsMessageError` (an ``HttpError`` whose status is unused).
 """
 

@@ -9,7 +9,7 @@ included, either reaches the engine with the same effect it has on a plain
 dropped.  This module holds the table that says which:
 
 * **router fields** (:data:`ROUTER_FIELDS`) are read by
-  :mod:`.openai_schema` itself -- the prompt, ``model``, ``stream``, the
+  :mod:`epd_actors.openai.schema` itself -- the prompt, ``model``, ``stream``, the
   token limit, the sampling fields the router's own types carry -- and reach
   the engine through those types;
 * **engine fields** (:data:`ENGINE_FIELDS`) are checked for shape here and
@@ -249,7 +249,7 @@ ROUTER_FIELDS: Final[Mapping[RequestKind, frozenset[str]]] = {
         }
     ),
 }  # fmt: skip
-"""Read by :mod:`.openai_schema` into the router's own types."""
+"""Read by :mod:`epd_actors.openai.schema` into the router's own types."""
 
 _PENALTY: Final = number(-2.0, 2.0)
 

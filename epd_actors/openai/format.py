@@ -9,7 +9,10 @@ cost of a streamed request.  :class:`SseFormatter` therefore renders, once per
 request, the JSON *around* the delta text -- ``data: {"id":...,"choices":[{
 "index":0,"delta":{"content":`` and ``},"logprobs":null,"finish_reason":null}]}``
 plus the blank line -- and each delta is ``prefix + json.dumps(text) + suffix``.
-The result is byte-for-byte the compact JSON of the equivalent dict.
+The result is byte-for-byte the compact JSON of the equivalent dict, framed
+as :func:`epd_actors.http.sse.encode_event` frames one line of data (the
+templates are built from its ``DATA_PREFIX`` and ``EVENT_END``; comments,
+``error`` events and ``[DONE]`` come from that module as they are).
 
 Log-probabilities and chat-delta ``fields`` (``tool_calls`` pieces,
 ``reasoning_content``) take the slower dict path: they are rare and
@@ -30,6 +33,7 @@ import datetime
 import json
 from typing import TYPE_CHECKING, Final, Literal, Protocol
 
+from ..http.sse import DATA_PREFIX, DONE_EVENT, EVENT_END, encode_comment, encode_event
 from ..protocol import merge_delta_fields
 
 if TYPE_CHECKING:
@@ -57,9 +61,6 @@ class OutputPiece(Protocol):
     @property
     def fields(self) -> dict[str, object] | None: ...
 
-
-DONE_EVENT: Final = "data: [DONE]\n\n"
-"""The terminator OpenAI clients wait for after a successful stream."""
 
 MIN_LOGPROB: Final = -9999.0
 """The lowest logprob written (vLLM's floor: JSON has no ``-Infinity``)."""
@@ -260,19 +261,19 @@ class SseFormatter:
         self._logprobs = logprobs
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self._head = (
-            f'data: {{"id":{_dumps(response_id(kind, request_id))},"object":"{obj}",'
+            f'{DATA_PREFIX}{{"id":{_dumps(response_id(kind, request_id))},"object":"{obj}",'
             f'"created":{int(created)},"model":{_dumps(model)},'
         )
         opener = '"delta":{"content":' if kind == "chat" else '"text":'
         closer = "}" if kind == "chat" else ""
         self._prefix = f'{self._head}"choices":[{{"index":0,{opener}'
-        self._suffix = f'{closer},"logprobs":null,"finish_reason":null}}]}}\n\n'
+        self._suffix = f'{closer},"logprobs":null,"finish_reason":null}}]}}{EVENT_END}'
 
     def start(self) -> str:
         """The first event: the chat ``assistant`` role chunk (nothing for completions)."""
         if self._kind != "chat":
             return ""
-        return f'{self._head}"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]}}\n\n'  # noqa: E501
+        return f'{self._head}"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]}}{EVENT_END}'  # noqa: E501
 
     def delta(
         self,
@@ -329,17 +330,17 @@ class SseFormatter:
 
     def usage(self, usage: Usage) -> str:
         """The ``include_usage`` chunk: no choices, only ``usage``."""
-        return f'{self._head}"choices":[],"usage":{_dumps(usage_body(usage))}}}\n\n'
+        return f'{self._head}"choices":[],"usage":{_dumps(usage_body(usage))}}}{EVENT_END}'
 
     @staticmethod
     def comment(text: str) -> str:
         """An SSE comment line (ignored by clients); newlines are flattened."""
-        return ": " + text.replace("\r", " ").replace("\n", " ") + "\n\n"
+        return encode_comment(text)
 
     @staticmethod
     def error(body: dict[str, dict[str, str | None]]) -> str:
         """An ``error`` event carrying an OpenAI error body; ends a failed stream."""
-        return f"event: error\ndata: {_dumps(body)}\n\n"
+        return encode_event(_dumps(body), "error")
 
     @staticmethod
     def done() -> str:
@@ -350,7 +351,7 @@ class SseFormatter:
         self, content: dict[str, object], *, logprobs: object, finish_reason: str | None
     ) -> str:
         choice = {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
-        return f'{self._head}"choices":[{_dumps(choice)}]}}\n\n'
+        return f'{self._head}"choices":[{_dumps(choice)}]}}{EVENT_END}'
 
 
 class AnswerBuilder:

@@ -9,7 +9,7 @@ parser checks every field it understands -- type, range, and the combinations
 OpenAI forbids -- and raises :class:`~epd_actors.errors.InvalidRequest` with
 ``param`` naming the first offending field as a dotted path
 (``messages[0].content[1].image_url``, ``stream_options.include_usage``).
-Every other field goes through the table of :mod:`.openai_fields`: carried to
+Every other field goes through the table of :mod:`epd_actors.openai.fields`: carried to
 the engine in the request's ``options``, or refused naming it; none is
 dropped.  What the client leaves unset stays unset (``None``), so the engine
 applies its own defaults: the router adds no sampling default, no
@@ -26,7 +26,7 @@ The result is a :class:`ParsedRequest`: the generation request plus what the
 response needs (``stream``, ``include_usage``, ``model``, ``kind``,
 ``logprobs``, ``n``).  Chat messages keep their other keys (``tool_calls``,
 ``tool_call_id``, ``name``) in :attr:`ChatMessage.fields`.  The response
-side -- bodies, SSE chunks, error bodies -- lives in :mod:`.openai_format`
+side -- bodies, SSE chunks, error bodies -- lives in :mod:`epd_actors.openai.format`
 and is re-exported here.
 """
 
@@ -134,7 +134,7 @@ class ParsedRequest:
         logprobs: the client asked for log-probabilities.
         top_logprobs: alternatives per token asked for.
         n: choices asked for (always 1: other values are refused).
-        options: the body's engine fields (:mod:`.openai_fields`), checked.
+        options: the body's engine fields (:mod:`epd_actors.openai.fields`), checked.
         traceparent: the client's W3C ``traceparent`` header (tracing).
     """
 

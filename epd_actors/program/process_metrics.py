@@ -22,9 +22,9 @@ wiped at start and dead processes marked (``mark_process_dead``).  Scraping
 the children costs one loopback request per child per scrape and keeps every
 metric exactly what a single router exports.
 
-The endpoint answers one request per connection, bounded (``MAX_REQUEST_BYTES``
-of request head, ``REQUEST_TIMEOUT_S`` in all); only ``GET``/``HEAD
-/metrics`` answer 200.
+The endpoint is :mod:`epd_actors.http.metrics_endpoint` (one bounded request
+per connection; only ``GET``/``HEAD /metrics`` answer 200); a scrape of a
+child goes through the package's HTTP client (:mod:`epd_actors.http.client`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import h11
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,6 +39,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from ..core.metrics import CONTENT_TYPE
+from ..http.client import ClientLimits, HttpClientError, WorkerHttpClient
+from ..http.metrics_endpoint import serve_metrics as serve_endpoint
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -49,9 +50,13 @@ logger = logging.getLogger(__name__)
 PROCESS_LABEL = "process"
 SCRAPE_TIMEOUT_S = 5.0
 MAX_SCRAPE_BYTES = 64 << 20
-MAX_REQUEST_BYTES = 16384
-REQUEST_TIMEOUT_S = 10.0
-RECEIVE_BYTES = 65536
+_SCRAPE_LIMITS = ClientLimits(
+    connect_timeout_s=SCRAPE_TIMEOUT_S,
+    read_timeout_s=SCRAPE_TIMEOUT_S,
+    write_timeout_s=SCRAPE_TIMEOUT_S,
+    max_connections=1,
+    max_keepalive_connections=0,
+)
 
 
 async def scrape(address: tuple[str, int], *, timeout_s: float = SCRAPE_TIMEOUT_S) -> bytes | None:
@@ -60,38 +65,21 @@ async def scrape(address: tuple[str, int], *, timeout_s: float = SCRAPE_TIMEOUT_
     Cancellation: cancelling abandons the scrape.  The body is bounded by
     ``MAX_SCRAPE_BYTES``.
     """
-    with trio.move_on_after(timeout_s):
-        try:
-            return await _get(address, b"/metrics")
-        except (OSError, trio.BrokenResourceError, h11.ProtocolError) as exc:
-            logger.debug("scrape of %s:%d failed: %s", *address, exc)
-    return None
-
-
-async def _get(address: tuple[str, int], target: bytes) -> bytes | None:
     host, port = address
-    connection = h11.Connection(h11.CLIENT)
-    async with await trio.open_tcp_stream(host, port) as stream:
-        request = h11.Request(
-            method="GET",
-            target=target,
-            headers=[("host", f"{host}:{port}"), ("connection", "close")],
-        )
-        await stream.send_all(connection.send(request) + (connection.send(h11.EndOfMessage())))
-        status = 0
-        body = bytearray()
-        while True:
-            event = connection.next_event()
-            if event is h11.NEED_DATA:
-                connection.receive_data(bytes(await stream.receive_some(RECEIVE_BYTES)))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                body += event.data
-                if len(body) > MAX_SCRAPE_BYTES:
-                    return None
-            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                return bytes(body) if status == 200 else None
+    client = WorkerHttpClient(f"http://{host}:{port}", _SCRAPE_LIMITS)
+    try:
+        with trio.move_on_after(timeout_s):
+            response = await client.request("GET", "/metrics")
+            try:
+                body = await response.read_all(MAX_SCRAPE_BYTES)
+            finally:
+                await response.aclose()
+            return body if response.status == 200 else None
+    except (HttpClientError, ValueError) as exc:
+        logger.debug("scrape of %s:%d failed: %s", host, port, exc)
+    finally:
+        await client.aclose()
+    return None
 
 
 def merge(scrapes: Mapping[str, bytes | None], restarts: Mapping[str, int] | None = None) -> bytes:
@@ -158,59 +146,4 @@ async def serve_metrics(
     Cancellation: cancelling stops accepting and drops open connections.
     Backpressure: none needed; each connection is one bounded request.
     """
-
-    async def handle(stream: trio.SocketStream) -> None:
-        async with stream:
-            with trio.move_on_after(REQUEST_TIMEOUT_S):
-                await _answer(stream, render)
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, handle, list(listeners))
-        task_status.started()
-
-
-async def _answer(stream: trio.abc.Stream, render: Callable[[], Awaitable[bytes]]) -> None:
-    connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
-    try:
-        request = await _read_request(stream, connection)
-    except h11.RemoteProtocolError:
-        return
-    if request is None:
-        return
-    path = request.target.split(b"?", 1)[0]
-    if path != b"/metrics":
-        status, content_type, body = 404, "text/plain; charset=utf-8", b"not found: /metrics\n"
-    elif request.method not in (b"GET", b"HEAD"):
-        status, content_type, body = 405, "text/plain; charset=utf-8", b"use GET\n"
-    else:
-        status, content_type, body = 200, CONTENT_TYPE, await render()
-    headers = [
-        ("content-type", content_type),
-        ("content-length", str(len(body))),
-        ("connection", "close"),
-    ]
-    data = connection.send(h11.Response(status_code=status, headers=headers)) or b""
-    if request.method != b"HEAD":
-        data += connection.send(h11.Data(data=body)) or b""
-    data += connection.send(h11.EndOfMessage()) or b""
-    try:
-        await stream.send_all(data)
-    except trio.BrokenResourceError:
-        logger.debug("metrics client went away before its answer")
-
-
-async def _read_request(stream: trio.abc.Stream, connection: h11.Connection) -> h11.Request | None:
-    while True:
-        event = connection.next_event()
-        if isinstance(event, h11.Request):
-            return event
-        if event is h11.NEED_DATA:
-            try:
-                data = await stream.receive_some(RECEIVE_BYTES)
-            except trio.BrokenResourceError:
-                return None
-            connection.receive_data(bytes(data))
-            if not data:
-                return None
-        elif isinstance(event, h11.ConnectionClosed):
-            return None
+    await serve_endpoint(listeners, render, CONTENT_TYPE, task_status=task_status)

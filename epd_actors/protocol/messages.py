@@ -35,7 +35,8 @@ PROTOCOL_VERSION = 2
 ``tokens``, ``top_logprobs`` and ``fields``, and ``ErrorReply.param``; later
 in version 2, the optional ``lora_adapter`` of prefill and generate requests
 (sent only for a request naming an adapter, so a worker that predates it
-serves every other request as before)."""
+serves every other request as before), and the optional ``options`` of
+encode requests (sent only for a request with processing options, likewise)."""
 
 SUPPORTED_PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2)
 """Versions a worker accepts.  A version-1 client sends a subset of version 2
@@ -268,12 +269,21 @@ class Welcome:
 
 @dataclass(frozen=True, slots=True)
 class EncodeRequest:
-    """Run the encoder on media items and store the results in the encoder cache."""
+    """Run the encoder on media items and store the results in the encoder cache.
+
+    ``options`` carries the request's processing options that change what
+    the encoder makes of an item (``mm_processor_kwargs``,
+    ``media_io_kwargs``), named as in vLLM's OpenAI API; None, and left off
+    the wire, when the request has none, so a worker that predates the field
+    serves every other request as before.  An engine that cannot honour one
+    refuses the request (``invalid_request``, ``param`` naming it).
+    """
 
     TAG: ClassVar[str] = "encode"
     request_id: str
     media: tuple[MediaItem, ...]
     ec_transfer_params: dict[str, object] | None = None
+    options: dict[str, object] | None = None
 
     def __post_init__(self) -> None:
         require(len(self.media) >= 1, "encode needs at least one media item")

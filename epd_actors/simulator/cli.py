@@ -1,7 +1,7 @@
 """Command-line options of the simulator engine: ``--sim-<knob>`` for every SimConfig field.
 
-The options are generated from :func:`~.sim_config.sim_knobs`, so a new knob is one
-field in :class:`~.sim_config.SimConfig` and nothing here.  Values are checked twice
+The options are generated from :func:`~epd_actors.simulator.config.sim_knobs`, so a new knob is one
+field in :class:`~epd_actors.simulator.config.SimConfig` and nothing here.  Values are checked twice
 with the same rules: while argparse parses (``parser.error`` names the option)
 and again in :func:`sim_config_from_args` (``ConfigError`` names the option), so
 a namespace built by hand cannot slip past either.

@@ -1,7 +1,7 @@
 """The simulator's knobs: :class:`SimConfig`, how each field is documented, parsed and checked.
 
 Each field carries a :class:`KnobSpec` in its metadata; :func:`sim_knobs` lists
-them in declaration order for the command line (``sim_cli``) and the docs.
+them in declaration order for the command line (:mod:`.cli`) and the docs.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 :class:`SimEngine` implements :class:`~epd_actors.worker.engine.Engine` for every
 role and keeps the data dependencies of real disaggregated serving, through
-stores shared with its peers (see :mod:`.sim_store`):
+stores shared with its peers (see :mod:`epd_actors.simulator.store`):
 
 * **E** writes one encoder-cache entry per media item (keyed by content hash).
 * **P** needs those entries (``strict``: refuses with ``missing_encoder_cache``;
@@ -28,8 +28,8 @@ Output is deterministic: token ``i`` is a stable hash of (prompt digest, seed,
 same text through E+P+D and through PD.  Latencies are ``trio.sleep`` calls
 (virtual under ``MockClock``); faults come from a ``random.Random`` seeded by
 ``fault_seed`` and the worker id.  Every knob, with its default and unit, is a
-:class:`SimConfig` field (:mod:`.sim_config`); the text model lives in
-:mod:`.sim_text`; docs/simulator.md is the narrative.
+:class:`SimConfig` field (:mod:`epd_actors.simulator.config`); the text model lives in
+:mod:`epd_actors.simulator.text`; docs/simulator.md is the narrative.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ class SimEngine:
         worker_id: names the producer in transfer params, logs and the fault RNG.
         config: latency, behaviour and fault knobs.
         ec_store, kv_store: shared with the engines of the other stages
-            (``sim_store.create_sim_stores``).
+            (``store.create_sim_stores``).
         model: the model name the worker announces.
         lora_adapters: the LoRA adapters it serves (announced as ``lora:NAME``
             capabilities; a request naming another adapter is refused).

@@ -7,7 +7,7 @@ stock ``vllm serve`` instance of that role offers a disaggregating router:
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed or not),
 ``GET /health`` (200 while the engine is ready, else 503), ``GET
 /v1/models`` (the model and its LoRA adapters), ``POST
-/v1/load_lora_adapter`` (:mod:`.sim_lora`) and ``GET /metrics`` (the two gauges of vLLM's Prometheus
+/v1/load_lora_adapter`` (:mod:`.lora`) and ``GET /metrics`` (the two gauges of vLLM's Prometheus
 endpoint a router reads: ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting``, labelled ``engine="0"`` and ``model_name``).
 Bodies go through the router's own OpenAI parser
@@ -45,8 +45,10 @@ the contract from the worker's side.
 Why not the router's HTTP front end: that server is built around the
 router's app and answers in the router's own shapes; a vLLM worker answers
 in different ones (``kv_transfer_params`` in bodies, ``token_ids`` in chunks).
-This module is a small dedicated h11 loop instead, serving one request at a
-time per keep-alive connection.
+This module is a handler on the package's server shell
+(:mod:`epd_actors.http.server`) instead, which serves one request at a time
+per keep-alive connection and answers its own refusals (400, 408, 413, 431)
+with vLLM-style error bodies.
 
 Cancellation: while the engine works on a request, a sibling task reads the
 socket; EOF (the client left -- what vLLM treats as an abort) cancels the
@@ -67,16 +69,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, NoReturn
 
-import h11
 import trio
 
 from ..addresses import parse_address
 from ..errors import ConfigError, EngineCrashed, EngineError, InvalidRequest
-from ..limits import CLEANUP_TIMEOUT_S, RECEIVE_CHUNK_BYTES
+from ..http.server import ClientGone, HttpResponse, HttpServer, ServerLimits
+from ..http.sse import DONE_EVENT, encode_event
+from ..limits import CLEANUP_TIMEOUT_S
 from ..lora import LOAD_LORA_PATH
 from ..openai.fields import TRANSFER_FIELDS, FieldPolicy
 from ..openai.format import (
-    DONE_EVENT,
     AnswerBuilder,
     error_body,
     logprobs_body,
@@ -101,6 +103,7 @@ from .lora import LoraRefused, SimLoraAdapters
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
+    from ..http.server import HttpRequest, Responder
     from ..openai.schema import ParsedRequest
     from ..protocol import Delta
     from ..worker.engine import Engine
@@ -232,10 +235,6 @@ def summarize(path: str, request_id: str | None, body: dict[str, object]) -> dic
     }
 
 
-class _ClientGone(Exception):
-    """The client closed, reset, or stopped reading."""
-
-
 class _Refused(Exception):
     """A request answered with an error status before the engine ran."""
 
@@ -245,21 +244,11 @@ class _Refused(Exception):
         self.code = code
 
 
-class _Connection:
-    """One client connection: its stream and h11 state."""
-
-    __slots__ = ("h11", "stream")
-
-    def __init__(self, stream: trio.abc.Stream, max_header_bytes: int) -> None:
-        self.stream = stream
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
-
-
 @dataclass(slots=True)
 class _Exchange:
     """One request being served: where to answer, and its log entry."""
 
-    conn: _Connection
+    responder: Responder
     request_id: str
     entry: dict[str, object]
     parsed: ParsedRequest
@@ -304,7 +293,16 @@ class SimOpenAIServer:
         self.log = RequestLog(self.settings.request_log_entries)
         self.host = "127.0.0.1"
         self.port = 0
-        self.connections = 0
+        settings = self.settings
+        limits = ServerLimits(
+            max_header_bytes=settings.max_header_bytes,
+            max_body_bytes=settings.max_body_bytes,
+            keep_alive_timeout_s=settings.keep_alive_timeout_s,
+            body_timeout_s=settings.body_timeout_s,
+            write_timeout_s=settings.write_timeout_s,
+            max_connections=settings.max_connections,
+        )
+        self.http = HttpServer(self._route, limits, error_response=_error_answer, name=worker_id)
         self.running = 0  # completion requests being served now
         self.lora = SimLoraAdapters(engine.capabilities)
 
@@ -313,6 +311,11 @@ class SimOpenAIServer:
             f"<SimOpenAIServer {self.worker_id} ({self.engine.role.value}) "
             f"{self.host}:{self.port} connections={self.connections}>"
         )
+
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        return self.http.connections
 
     @property
     def url(self) -> str:
@@ -330,100 +333,37 @@ class SimOpenAIServer:
         Backpressure: one request at a time per connection.
         Resource handling: the stream is closed on return.
         """
-        if self.connections >= self.settings.max_connections:
-            await trio.aclose_forcefully(stream)
-            return
-        self.connections += 1
-        conn = _Connection(stream, self.settings.max_header_bytes)
-        try:
-            await self._serve(conn)
-        except _ClientGone:
-            logger.debug("%s: a client left", self.worker_id)
-        finally:
-            self.connections -= 1
-            await trio.aclose_forcefully(stream)
-
-    async def _serve(self, conn: _Connection) -> None:
-        while True:
-            event: object = None  # stays None when the connection idles out
-            with trio.move_on_after(self.settings.keep_alive_timeout_s):
-                try:
-                    event = await self._next_event(conn)
-                except h11.RemoteProtocolError as exc:
-                    await self._send_error(conn, exc.error_status_hint, f"bad request: {exc}")
-                    return
-            if not isinstance(event, h11.Request):
-                return
-            await self._exchange(conn, event)
-            if conn.h11.our_state is not h11.DONE or conn.h11.their_state is not h11.DONE:
-                return
-            conn.h11.start_next_cycle()
-
-    async def _next_event(self, conn: _Connection) -> object:
-        while True:
-            event = conn.h11.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            conn.h11.receive_data(await self._receive(conn))
-
-    async def _receive(self, conn: _Connection) -> bytes:
-        try:
-            data = await conn.stream.receive_some(RECEIVE_CHUNK_BYTES)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return b""
-        return bytes(data)
-
-    async def _read_body(self, conn: _Connection) -> bytes:
-        limit = self.settings.max_body_bytes
-        chunks: list[bytes] = []
-        size = 0
-        with trio.move_on_after(self.settings.body_timeout_s):
-            while True:
-                event = await self._next_event(conn)
-                if isinstance(event, h11.Data):
-                    size += len(event.data)
-                    if size > limit:
-                        raise _Refused(413, f"request body exceeds {limit} bytes")
-                    chunks.append(bytes(event.data))
-                elif isinstance(event, h11.EndOfMessage):
-                    return b"".join(chunks)
-                else:
-                    raise _ClientGone
-        raise _Refused(408, "request body timed out")
+        await self.http.handle_connection(stream)
 
     # ------------------------------------------------------------ routing
 
-    async def _exchange(self, conn: _Connection, request: h11.Request) -> None:
-        path = request.target.split(b"?", 1)[0].decode("latin-1")
-        method = request.method.decode("latin-1")
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
+    async def _route(self, request: HttpRequest, responder: Responder) -> HttpResponse | None:
+        path, method, body = request.path, request.method, request.body
         try:
-            body = await self._read_body(conn)
             if path in (CHAT_PATH, COMPLETIONS_PATH) and method == "POST":
-                await self._completion(conn, path, headers, body)
-            elif path == "/health" and method == "GET":
+                headers = dict(request.headers)
+                await self._completion(responder, path, headers, body)
+                return None
+            if path == "/health" and method == "GET":
                 ready = self.engine.is_ready()
-                await self._send_json(conn, 200 if ready else 503, {} if ready else _not_ready())
-            elif path == "/v1/models" and method == "GET":
-                await self._send_json(conn, 200, self._models())
-            elif path == LOAD_LORA_PATH and method == "POST":
-                await self._load_lora(conn, body)
-            elif path == METRICS_PATH and method == "GET":
-                await self._send_text(conn, 200, self._metrics())
-            elif path == DEBUG_PATH and method == "GET" and self.debug_routes:
-                await self._send_json(conn, 200, {"requests": self.log.snapshot()})
-            else:
-                raise _Refused(404, f"no route for {method} {path}")
-        except h11.RemoteProtocolError as exc:
-            await self._send_error(conn, 400, f"malformed request: {exc}")
+                return HttpResponse.json(200 if ready else 503, {} if ready else _not_ready())
+            if path == "/v1/models" and method == "GET":
+                return HttpResponse.json(200, self._models())
+            if path == LOAD_LORA_PATH and method == "POST":
+                return self._load_lora(body)
+            if path == METRICS_PATH and method == "GET":
+                return _text(self._metrics())
+            if path == DEBUG_PATH and method == "GET" and self.debug_routes:
+                return HttpResponse.json(200, {"requests": self.log.snapshot()})
+            raise _Refused(404, f"no route for {method} {path}")
         except _Refused as exc:
-            await self._send_error(conn, exc.status, str(exc), exc.code)
+            return _error_answer(exc.status, str(exc), exc.code)
 
     def _models(self) -> dict[str, object]:
         return {"object": "list", "data": self.lora.cards(self.engine.model, unix_time())}
 
-    async def _load_lora(self, conn: _Connection, raw: bytes) -> None:
-        """``POST /v1/load_lora_adapter``: 200 and vLLM's text, or 400 (see :mod:`.sim_lora`)."""
+    def _load_lora(self, raw: bytes) -> HttpResponse:
+        """``POST /v1/load_lora_adapter``: 200 and vLLM's text, or 400 (see :mod:`.lora`)."""
         entry = self.log.add({"path": LOAD_LORA_PATH, "status": None})
         try:
             answer = self.lora.load(json.loads(raw), self.engine.model)
@@ -433,7 +373,7 @@ class SimOpenAIServer:
             self.log.update(entry, status=exc.status, outcome="refused")
             raise _Refused(exc.status, str(exc)) from None
         self.log.update(entry, status=200, outcome="loaded", lora_name=self.lora.loads[-1])
-        await self._send_text(conn, 200, answer)
+        return _text(answer)
 
     def _metrics(self) -> str:
         """vLLM's request gauges, one engine (``engine="0"``), in Prometheus text format."""
@@ -448,7 +388,7 @@ class SimOpenAIServer:
         )
 
     async def _completion(
-        self, conn: _Connection, path: str, headers: dict[str, str], raw: bytes
+        self, responder: Responder, path: str, headers: dict[str, str], raw: bytes
     ) -> None:
         header_id = headers.get("x-request-id")
         request_id = header_id if header_id and _REQUEST_ID.match(header_id) else None
@@ -473,7 +413,7 @@ class SimOpenAIServer:
                 adapter = self.lora.adapter_for(body.get("model"), self.engine.model)
             except LoraRefused as exc:
                 raise _Refused(exc.status, str(exc), "model_not_found") from None
-            exchange = _Exchange(conn, request_id, entry, parsed, body, adapter=adapter)
+            exchange = _Exchange(responder, request_id, entry, parsed, body, adapter=adapter)
             self.running += 1
             try:
                 await self._run(exchange)
@@ -482,11 +422,11 @@ class SimOpenAIServer:
         except InvalidRequest as exc:
             self.log.update(entry, status=400, outcome="invalid_request")
             await self._send_error(
-                conn, 400, str(exc), ErrorCode.INVALID_REQUEST, request_id, param=exc.param
+                responder, 400, str(exc), ErrorCode.INVALID_REQUEST, request_id, param=exc.param
             )
         except _Refused as exc:
             self.log.update(entry, status=exc.status, outcome=exc.code or "refused")
-            await self._send_error(conn, exc.status, str(exc), exc.code, request_id)
+            await self._send_error(responder, exc.status, str(exc), exc.code, request_id)
 
     # ------------------------------------------------------------ the engine
 
@@ -534,14 +474,14 @@ class SimOpenAIServer:
         A failure is carried out of the nursery by hand, so that one
         exception, not a group, reaches the error mapping.
         """
-        failure: EngineError | EngineCrashed | _ClientGone | None = None
+        failure: EngineError | EngineCrashed | ClientGone | None = None
         finished = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch, exchange, nursery.cancel_scope, name="sim-http-watch")
             try:
                 await work(exchange)
                 finished = True
-            except (EngineError, EngineCrashed, _ClientGone) as exc:
+            except (EngineError, EngineCrashed, ClientGone) as exc:
                 failure = exc
             finally:
                 nursery.cancel_scope.cancel(reason="response finished")
@@ -549,22 +489,17 @@ class SimOpenAIServer:
             return  # answered in full, even if the client hung up right after
         with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
             await self.engine.abort(exchange.request_id)
-        if exchange.gone or isinstance(failure, _ClientGone):
+        if exchange.gone or isinstance(failure, ClientGone):
             self.log.update(exchange.entry, outcome="disconnected", disconnected=True)
-            raise _ClientGone
+            raise ClientGone
         if failure is not None:
             await self._engine_failed(exchange, failure)
 
     async def _watch(self, exchange: _Exchange, scope: trio.CancelScope) -> None:
-        """Buffer early bytes in h11; on EOF, mark the client gone and cancel the work."""
-        conn = exchange.conn
-        while len(conn.h11.trailing_data[0]) <= self.settings.max_header_bytes:
-            data = await self._receive(conn)
-            conn.h11.receive_data(data)
-            if not data:
-                exchange.gone = True
-                scope.cancel(reason="client disconnected")
-                return
+        """On the client's EOF, mark the client gone and cancel the work."""
+        await exchange.responder.wait_disconnected()
+        exchange.gone = True
+        scope.cancel(reason="client disconnected")
 
     async def _engine_failed(self, exchange: _Exchange, exc: EngineError | EngineCrashed) -> None:
         code: str
@@ -574,20 +509,22 @@ class SimOpenAIServer:
             status, code, message = _STATUS_OF_CODE.get(exc.code, 500), exc.code, exc.detail
         param = exc.param if isinstance(exc, EngineError) else None
         self.log.update(exchange.entry, status=status, outcome=code)
-        conn = exchange.conn
-        if conn.h11.our_state is h11.SEND_BODY:
+        responder = exchange.responder
+        if responder.started:
             # Headers are out: vLLM's way is an error event, then [DONE].
             payload = error_body(message, type=_error_type(status), code=code, param=param)
-            await self._send(conn, h11.Data(data=_sse(payload) + DONE_EVENT.encode()))
-            await self._send(conn, h11.EndOfMessage())
+            await responder.send(_sse(payload) + DONE_EVENT.encode())
+            await responder.end()
             return
-        await self._send_error(conn, status, message, code, exchange.request_id, param=param)
+        await self._send_error(responder, status, message, code, exchange.request_id, param=param)
 
     async def _encode(self, exchange: _Exchange) -> None:
         media = exchange.parsed.request.media
         if not media:
             raise EngineError(ErrorCode.INVALID_REQUEST, "an encode request needs media")
-        result = await self.engine.encode(EncodeRequest(exchange.request_id, media))
+        result = await self.engine.encode(
+            EncodeRequest(exchange.request_id, media, options=exchange.options)
+        )
         answer = self._body(exchange, "", "length", Usage(0, 0))
         answer["ec_transfer_params"] = result.ec_transfer_params
         await self._answer(exchange, answer)
@@ -675,29 +612,26 @@ class SimOpenAIServer:
         await self._answer(exchange, body)
 
     async def _stream(self, exchange: _Exchange) -> None:
-        parsed, conn = exchange.parsed, exchange.conn
+        parsed, responder = exchange.parsed, exchange.responder
         chunks = _ChunkWriter(parsed, token_ids=bool(exchange.body.get("return_token_ids")))
-        head = h11.Response(
-            status_code=200,
-            headers=[
-                ("content-type", "text/event-stream"),
-                ("cache-control", "no-cache"),
-                ("x-request-id", exchange.request_id),
-            ],
-        )
+        head = [
+            ("content-type", "text/event-stream"),
+            ("cache-control", "no-cache"),
+            ("x-request-id", exchange.request_id),
+        ]
 
         async def emit(delta: Delta) -> None:
             # Headers wait for the first delta, so that a refusal before any
             # output (an unknown KV handle, an injected failure) is an HTTP
             # error status the router can act on, not an event in a 200 stream.
-            if conn.h11.our_state is h11.SEND_RESPONSE:
-                await self._send(conn, head)
+            if not responder.started:
+                await responder.start(200, head)
                 self.log.update(exchange.entry, status=200)
-            await self._send(conn, h11.Data(data=chunks.delta(delta)))
+            await responder.send(chunks.delta(delta))
 
         await self.engine.generate(self._generate_request(exchange), emit)
-        await self._send(conn, h11.Data(data=DONE_EVENT.encode()))
-        await self._send(conn, h11.EndOfMessage())
+        await responder.send(DONE_EVENT.encode())
+        await responder.end()
         self.log.update(exchange.entry, outcome="ok")
 
     def _body(
@@ -723,50 +657,14 @@ class SimOpenAIServer:
 
     async def _answer(self, exchange: _Exchange, answer: dict[str, object]) -> None:
         self.log.update(exchange.entry, status=200, outcome="ok")
-        await self._send_json(exchange.conn, 200, answer, exchange.request_id)
+        headers = [("x-request-id", exchange.request_id)]
+        await exchange.responder.respond(HttpResponse.json(200, answer, headers))
 
     # ------------------------------------------------------------ writing
 
-    async def _send(self, conn: _Connection, event: h11.Event) -> None:
-        """Write one h11 event; a failed or too slow write means the client is gone."""
-        try:
-            data = conn.h11.send(event)
-        except h11.LocalProtocolError:
-            raise _ClientGone from None
-        if not data:
-            return
-        with trio.move_on_after(self.settings.write_timeout_s):
-            try:
-                await conn.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                raise _ClientGone from None
-            return
-        raise _ClientGone
-
-    async def _send_json(
-        self, conn: _Connection, status: int, obj: object, request_id: str | None = None
-    ) -> None:
-        payload = json.dumps(obj, separators=(",", ":")).encode()
-        headers = [("content-type", "application/json"), ("content-length", str(len(payload)))]
-        if request_id is not None:
-            headers.append(("x-request-id", request_id))
-        await self._send(conn, h11.Response(status_code=status, headers=headers))
-        await self._send(conn, h11.Data(data=payload))
-        await self._send(conn, h11.EndOfMessage())
-
-    async def _send_text(self, conn: _Connection, status: int, text: str) -> None:
-        payload = text.encode()
-        headers = [
-            ("content-type", "text/plain; version=0.0.4; charset=utf-8"),
-            ("content-length", str(len(payload))),
-        ]
-        await self._send(conn, h11.Response(status_code=status, headers=headers))
-        await self._send(conn, h11.Data(data=payload))
-        await self._send(conn, h11.EndOfMessage())
-
     async def _send_error(
         self,
-        conn: _Connection,
+        responder: Responder,
         status: int,
         message: str,
         code: str | None = None,
@@ -774,10 +672,9 @@ class SimOpenAIServer:
         *,
         param: str | None = None,
     ) -> None:
-        if conn.h11.our_state is not h11.SEND_RESPONSE:
-            raise _ClientGone
-        body = error_body(message, type=_error_type(status), code=code, param=param)
-        await self._send_json(conn, status, body, request_id)
+        if responder.started:
+            raise ClientGone("an error after the response started")
+        await responder.respond(_error_answer(status, message, code, request_id, param=param))
 
 
 class _ChunkWriter:
@@ -831,7 +728,25 @@ class _ChunkWriter:
 
 
 def _sse(obj: object) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return encode_event(json.dumps(obj, separators=(",", ":"))).encode()
+
+
+def _error_answer(
+    status: int,
+    message: str,
+    code: str | None = None,
+    request_id: str | None = None,
+    *,
+    param: str | None = None,
+) -> HttpResponse:
+    """A vLLM-style error answer (also the server shell's own refusals)."""
+    body = error_body(message, type=_error_type(status), code=code, param=param)
+    headers = [] if request_id is None else [("x-request-id", request_id)]
+    return HttpResponse.json(status, body, headers)
+
+
+def _text(text: str) -> HttpResponse:
+    return HttpResponse.text(200, text, "text/plain; version=0.0.4; charset=utf-8")
 
 
 def _label_value(value: str) -> str:
@@ -865,12 +780,7 @@ async def serve_openai(
     """
     sockname = listeners[0].socket.getsockname()
     server.host, server.port = str(sockname[0]), int(sockname[1])
-    await trio.serve_listeners(
-        server.handle_connection,
-        listeners,
-        handler_nursery=handler_nursery,
-        task_status=task_status,
-    )
+    await server.http.serve(listeners, handler_nursery=handler_nursery, task_status=task_status)
 
 
 async def serve_openai_process(server: SimOpenAIServer, listen: str) -> None:

@@ -5,7 +5,7 @@ Theory of operation
 A prompt is turned into deterministic token ids (:func:`prompt_token_ids`:
 one id per whitespace word, derived from the word; ``media_tokens_per_item``
 ids per media item, derived from its content hash -- exactly
-:func:`~.sim_text.count_prompt_tokens` of them) and cut into full blocks of
+:func:`~epd_actors.simulator.text.count_prompt_tokens` of them) and cut into full blocks of
 ``block_size``.  Each block gets an *engine* hash chained over the blocks
 before it and seeded by ``hash_seed`` (random per engine when None, as vLLM's
 is without ``PYTHONHASHSEED``), so two engines name the same block differently,

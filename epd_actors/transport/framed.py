@@ -86,7 +86,7 @@ class FramedStream:
         """Write ``frames`` already encoded frames, joined in ``data``, as one ``send_all``.
 
         Same rules as :meth:`send`; the caller encoded each frame with
-        :func:`~.protocol.encode` under this stream's frame limit.
+        :func:`~epd_actors.protocol.encode` under this stream's frame limit.
         """
         await self._send_bytes(data)
         self.frames_sent += frames

@@ -87,9 +87,8 @@ def check_options(request: StageRequest, engine: Engine) -> None:
     Raises:
         EngineError: ``invalid_request``, with ``param`` naming the first such option.
     """
-    if isinstance(request, EncodeRequest):
-        return
-    check_adapter(request.lora_adapter, engine)
+    if not isinstance(request, EncodeRequest):
+        check_adapter(request.lora_adapter, engine)
     if request.options:
         check_option_names(request.options, engine)
 

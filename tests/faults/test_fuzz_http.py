@@ -9,7 +9,7 @@
   ``parse_completion``: the only exception either may raise is
   ``InvalidRequest``.
 
-The native protocol decoder is fuzzed in ``tests/test_protocol_codec.py``; it
+The native protocol decoder is fuzzed in ``tests/protocol/test_protocol_codec.py``; it
 is not repeated here.  Settings: ``tests/wire_strategies.py`` (derandomized, no
 example database), so every run sees the same examples.
 """
@@ -33,7 +33,7 @@ from epd_actors.openai.media import MediaLimits
 from epd_actors.openai.schema import parse_chat_completion, parse_completion
 from epd_actors.protocol import Usage
 from epd_actors.request import DeltaEvent, DoneEvent, RequestTimings
-from tests.test_http_frontend import ScriptedApp
+from tests.frontends.test_http_frontend import ScriptedApp
 from tests.wire_strategies import FUZZ_SETTINGS
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from epd_actors.core.config import AdmissionLimits, Deadlines
 from epd_actors.core.router import Router, open_router
 from epd_actors.frontends.http import HttpServer, HttpSettings, RouterHttpApp
 from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
-from tests.test_http_frontend import Client, Reply, connected
+from tests.frontends.test_http_frontend import Client, Reply, connected
 
 from .polling import wait_until
 

@@ -21,7 +21,7 @@ import trio.testing
 
 from epd_actors.frontends.http import HttpServer, HttpSettings, serve_http
 from tests.faults.logs import front_end_errors
-from tests.test_http_frontend import ScriptedApp, delta
+from tests.frontends.test_http_frontend import ScriptedApp, delta
 
 GUARD_S = 20.0
 STREAM = json.dumps(

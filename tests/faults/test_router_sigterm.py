@@ -24,7 +24,7 @@ import trio
 from epd_actors.program.deployment import WorkerSpec, open_local_workers
 from epd_actors.program.worker import AUTH_TOKEN_ENV
 from tests.e2e.test_deployments import Output
-from tests.test_http_frontend import Client
+from tests.frontends.test_http_frontend import Client
 
 if TYPE_CHECKING:
     from pathlib import Path

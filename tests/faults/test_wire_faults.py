@@ -4,7 +4,7 @@ Rows of the fault matrix in docs/reliability.md.  The router runs over
 :mod:`tests.faults.wire_fleet`: real worker runtimes and simulated engines at
 the far end of memory streams, on the virtual clock.  The per-connection
 mechanics (each bad frame closes the connection, reconnect backoff, pongs) are
-proven in ``tests/test_native_backend.py``; these tests check what a *router*
+proven in ``tests/backends/test_native_backend.py``; these tests check what a *router*
 promises: only the faulty connection's requests fail, with a typed error, the
 other workers keep serving, the connection comes back and is used again, the
 workers see their aborts and nothing leaks.

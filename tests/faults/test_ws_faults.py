@@ -31,7 +31,7 @@ from trio_websocket import open_websocket_url
 
 from epd_actors.frontends.ws import WsServer, WsSettings, serve_ws
 from tests.faults.logs import ErrorRecords, front_end_errors
-from tests.test_ws_frontend import generate, receive, send, serving, until_terminal
+from tests.frontends.test_ws_frontend import generate, receive, send, serving, until_terminal
 from tests.wire_strategies import WIRE_SETTINGS
 
 if TYPE_CHECKING:

@@ -8,10 +8,18 @@ starts the native-worker fleet: only one fleet is in memory at a time.
 
 Each fleet has, on the tiny Qwen2-VL: an encoder-only E (encoder-cache
 producer), a P (encoder-cache consumer and KV producer over NIXL) and a D (KV
-consumer); and on the tiny Llama a text P and D.  For E+PD the stock fleet
-reuses its P (a request without ``kv_transfer_params`` is served whole); the
-native fleet starts a ``pd`` worker.  Three routers run over them: ``epd``
-(E+P+D), ``e_pd`` (E+PD) and ``text`` (P+D on the Llama).
+consumer); on the tiny Qwen2-Audio an encoder-only E and a PD (encoder-cache
+consumer); and on the tiny Llama a text P and D.  For E+PD on Qwen2-VL the
+stock fleet reuses its P (a request without ``kv_transfer_params`` is served
+whole); the native fleet starts a ``pd`` worker.  Five routers run over them:
+``epd`` (E+P+D), ``e_pd`` (E+PD), ``epd_reuse`` (E+P+D over the same engines,
+its encode pool remembering encoder outputs), ``audio`` (E+PD on Qwen2-Audio)
+and ``text`` (P+D on the Llama).
+
+The ``plain`` fixture starts plain instances (no connectors, no router) of
+the Llama, for the parameter matrix, and of Qwen2-VL and Qwen2-Audio, for the
+cases that are not in ``golden.json``; each answer is asked once and kept for
+the second backend.
 """
 
 from __future__ import annotations
@@ -27,8 +35,17 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from .fleet import Lane, Role, start_engine, start_plain, start_router, wait_until_ready
-from .matrix import Model, PlainAnswers
+from .cases import PLAIN_KINDS, Answer, Case, answer_of
+from .fleet import (
+    ENCODER_REUSE,
+    Lane,
+    Role,
+    start_engine,
+    start_plain,
+    start_router,
+    wait_until_ready,
+)
+from .matrix import CHAT, Model, PlainAnswers
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -46,6 +63,10 @@ QWEN_ROLES = (
     Role("d", "decode", "qwen2vl", kv=True),
 )
 NATIVE_PD = Role("pd", "pd", "qwen2vl", ec="ec_consumer")
+AUDIO_ROLES = (
+    Role("ae", "encode", "qwen2audio", ec="ec_producer"),
+    Role("apd", "pd", "qwen2audio", ec="ec_consumer"),
+)
 TEXT_ROLES = (
     Role("tp", "prefill", "llama", kv=True),
     Role("td", "decode", "llama", kv=True),
@@ -85,29 +106,47 @@ def lane() -> Lane:
 
 @dataclass
 class Plain:
-    """The plain ``vllm serve`` of the tiny Llama that the parameter matrix compares with."""
+    """The plain ``vllm serve`` instances: the tiny Llama, which the parameter matrix
+    compares with, and one per kind of :data:`PLAIN_KINDS`, for the non-golden cases."""
 
+    lane: Lane
     process: Process
     url: str
     model: Model
     answers: PlainAnswers
+    media: dict[str, tuple[Process, PlainAnswers]] = field(default_factory=dict)
 
     def wait_ready(self) -> None:
         wait_until_ready([(self.process, f"{self.url}/health")], START_TIMEOUT_S)
 
+    def answer(self, case: Case) -> Answer:
+        """The plain instance's answer to ``case`` (asked once per session)."""
+        process, answers = self.media[case.model_kind]
+        wait_until_ready([(process, f"{answers.url}/health")], START_TIMEOUT_S)
+        reply = answers.get(CHAT, case.body(str(self.lane.model(case.model_kind))))
+        assert reply.status == 200, f"the plain {case.model_kind} refused {case.name}: {reply.body}"
+        return answer_of(reply.body)
+
 
 @pytest.fixture(scope="session")
 def plain(lane: Lane) -> Iterator[Plain]:
-    """Started before the first fleet (which asks for it), so it gets ready while the fleet
-    starts; its answers are kept for the second backend's matrix."""
+    """Started before the first fleet (which asks for it), so they get ready while the fleet
+    starts; their answers are kept for the second backend."""
     process, url = start_plain(lane, "llama")
     config = json.loads((lane.model("llama") / "config.json").read_text(encoding="utf-8"))
     model = Model(str(lane.model("llama")), config["eos_token_id"], config["pad_token_id"])
+    started = [process]
     try:
         with httpx.Client(timeout=120.0) as client:
-            yield Plain(process, url, model, PlainAnswers(client, url))
+            found = Plain(lane, process, url, model, PlainAnswers(client, url))
+            for kind in PLAIN_KINDS:
+                media_process, media_url = start_plain(lane, kind)
+                started.append(media_process)
+                found.media[kind] = (media_process, PlainAnswers(client, media_url))
+            yield found
     finally:
-        process.stop()
+        for each in started:
+            each.stop()
 
 
 @pytest.fixture(scope="session", params=BACKENDS)
@@ -121,7 +160,7 @@ def fleet(request: pytest.FixtureRequest, lane: Lane, plain: Plain) -> Iterator[
         stale.rmdir()
     fleet = Fleet(backend, lane, store)
     token = secrets.token_urlsafe(16)
-    roles = [*QWEN_ROLES, *TEXT_ROLES]
+    roles = [*QWEN_ROLES, *AUDIO_ROLES, *TEXT_ROLES]
     if backend == "native":
         roles.append(NATIVE_PD)
     started = time.monotonic()
@@ -135,14 +174,28 @@ def fleet(request: pytest.FixtureRequest, lane: Lane, plain: Plain) -> Iterator[
         engines_ready_s = time.monotonic() - started
         e, p, d = (fleet.engines[name] for name in ("e", "p", "d"))
         pd = fleet.engines["pd"] if backend == "native" else p
+        ae, apd = fleet.engines["ae"], fleet.engines["apd"]
+        no_options: dict[str, list[str]] = {}
         layouts = {
-            "epd": ("qwen2vl", {"encode": [e], "prefill": [p], "decode": [d]}),
-            "e_pd": ("qwen2vl", {"encode": [e], "pd": [pd]}),
-            "text": ("llama", {"prefill": [fleet.engines["tp"]], "decode": [fleet.engines["td"]]}),
+            "epd": ("qwen2vl", {"encode": [e], "prefill": [p], "decode": [d]}, no_options),
+            "e_pd": ("qwen2vl", {"encode": [e], "pd": [pd]}, no_options),
+            "epd_reuse": (
+                "qwen2vl",
+                {"encode": [e], "prefill": [p], "decode": [d]},
+                {"encode": ENCODER_REUSE},
+            ),
+            "audio": ("qwen2audio", {"encode": [ae], "pd": [apd]}, no_options),
+            "text": (
+                "llama",
+                {"prefill": [fleet.engines["tp"]], "decode": [fleet.engines["td"]]},
+                no_options,
+            ),
         }
         probes = []
-        for name, (kind, pools) in layouts.items():
-            router, probe = start_router(lane, backend, name, fleet.model(kind), pools, token)
+        for name, (kind, pools, options) in layouts.items():
+            router, probe = start_router(
+                lane, backend, name, fleet.model(kind), pools, token, options
+            )
             fleet.routers[name] = router
             probes.append((router.process, probe))
         wait_until_ready(probes, 120)

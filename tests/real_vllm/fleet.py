@@ -190,6 +190,16 @@ def metric_sum(url: str, name: str, label: str = "") -> float:
     return sum(value for n, labels, value in scrape(url) if n == name and label in labels)
 
 
+def ran_stages(timings_header: str) -> set[str]:
+    """The stages a router's ``x-epd-timings`` header says ran (``encode``, ``prefill``, ...).
+
+    The header is ``;``-separated ``name=value`` pairs: each stage's milliseconds, then
+    ``queue``, ``ttft``, ``total`` and ``worker.STAGE=ID`` entries, which are not stages.
+    """
+    names = {pair.partition("=")[0].strip() for pair in timings_header.split(";") if "=" in pair}
+    return {name for name in names if name and "." not in name} - {"queue", "ttft", "total"}
+
+
 # ------------------------------------------------------------------ roles
 
 
@@ -223,7 +233,8 @@ ENGINE_ARGS += ["--kv-cache-memory-bytes", str(256 * 1024 * 1024)]
 # server and the engine core are still two processes.
 ENGINE_ARGS += ["--distributed-executor-backend", "uni"]
 # Each tiny model's full context, so a long generation keeps D busy for seconds.
-MAX_MODEL_LEN = {"llama": 2048, "qwen2vl": 4096}
+# Qwen2-Audio's profile run takes a 30 s clip: 750 audio tokens.
+MAX_MODEL_LEN = {"llama": 2048, "qwen2vl": 4096, "qwen2audio": 2048}
 
 
 def engine_args(model: str) -> list[str]:
@@ -247,7 +258,7 @@ class Role:
 
     name: str
     stage: str  # encode, prefill, decode, pd
-    model: str  # llama or qwen2vl
+    model: str  # llama, qwen2vl or qwen2audio
     ec: str | None = None  # ec_producer, ec_consumer
     kv: bool = False
 
@@ -355,7 +366,19 @@ class Router:
         return f"{self.url}/v1"
 
 
-def router_toml(model: str, pools: dict[str, list[Engine]], backend: str, port: int) -> str:
+ENCODER_REUSE = ['reuse = "ttl"', "reuse_ttl_s = 600", 'reuse_scope = "shared"']
+"""The reuse router's encode pool (docs/media.md): the shared-storage connector keeps every
+entry in the shared directory, which nothing cleans while the lane runs."""
+
+
+def router_toml(
+    model: str,
+    pools: dict[str, list[Engine]],
+    backend: str,
+    port: int,
+    pool_options: dict[str, list[str]] | None = None,
+) -> str:
+    """The router's configuration file; ``pool_options`` adds ``key = value`` lines to pools."""
     lines = [f'model = "{model}"']
     if backend == "native":
         lines.append('auth_token_env = "EPD_AUTH_TOKEN"')
@@ -369,6 +392,7 @@ def router_toml(model: str, pools: dict[str, list[Engine]], backend: str, port: 
         lines += ["[native]", "heartbeat_timeout_s = 60", ""]
     for stage, engines in pools.items():
         lines.append(f"[pools.{stage}]")
+        lines.extend((pool_options or {}).get(stage, []))
         members = []
         for engine in engines:
             member = f'{{ id = "{engine.role.name}", address = "{engine.address}"'
@@ -387,11 +411,12 @@ def start_router(
     model: str,
     pools: dict[str, list[Engine]],
     auth_token: str,
+    pool_options: dict[str, list[str]] | None = None,
 ) -> tuple[Router, str]:
     port = free_port()
     config = lane.logs / f"{backend}-{name}.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(router_toml(model, pools, backend, port), encoding="utf-8")
+    config.write_text(router_toml(model, pools, backend, port, pool_options), encoding="utf-8")
     argv = [sys.executable, "-m", "epd_actors", "serve", "--config", str(config)]
     env = {"EPD_AUTH_TOKEN": auth_token}
     process = Process(f"router-{name}", argv, lane.logs / f"{backend}-{name}.log", env)

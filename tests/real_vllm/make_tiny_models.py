@@ -2,11 +2,13 @@
 
     python tests/real_vllm/make_tiny_models.py llama OUT_DIR
     python tests/real_vllm/make_tiny_models.py qwen2vl OUT_DIR
+    python tests/real_vllm/make_tiny_models.py qwen2audio OUT_DIR
 
 Nothing is downloaded.  Both builds are deterministic for a given torch and
 tokenizers release, which is what lets the lane compare logprobs with recorded
 golden values.  The shapes respect vLLM's CPU kernels: attention head size 32,
-and for Qwen2-VL an ``mrope_section`` that sums to half the head size.  The
+for Qwen2-VL an ``mrope_section`` that sums to half the head size, and for
+Qwen2-Audio a Whisper-style encoder on 128 mel bins at 16 kHz.  The
 weights are random, so the text they generate is gibberish: tests assert on
 logprobs, token counts and metrics, never on words.
 
@@ -81,6 +83,7 @@ def build_qwen2vl(out: Path) -> None:
         Qwen2VLImageProcessorPil,
     )
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     special = [
         "<|endoftext|>",
@@ -93,15 +96,17 @@ def build_qwen2vl(out: Path) -> None:
     ]
     tokenizer = train_tokenizer(special, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in special}
-    # Content given as a list of parts: text is written out, each image becomes the vision
-    # placeholder that vLLM expands to the image's tokens.
+    # Content given as a list of parts: text is written out, each image or video becomes the
+    # vision placeholder that vLLM expands to the item's tokens.
     tokenizer.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
         "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
         "{% for part in m['content'] %}"
         "{% if part['type'] == 'text' %}{{ part['text'] }}"
         "{% elif part['type'] in ['image', 'image_url'] %}"
-        "<|vision_start|><|image_pad|><|vision_end|>{% endif %}"
+        "<|vision_start|><|image_pad|><|vision_end|>"
+        "{% elif part['type'] in ['video', 'video_url'] %}"
+        "<|vision_start|><|video_pad|><|vision_end|>{% endif %}"
         "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
@@ -115,6 +120,15 @@ def build_qwen2vl(out: Path) -> None:
         temporal_patch_size=2,
     )
     processor.save_pretrained(out)
+    # The same bounds for video frames (vLLM reads video_preprocessor_config.json): a 56x56
+    # frame stays 56x56, so four frames are 2 temporal patches of 2x2 merged tokens.
+    Qwen2VLVideoProcessor(
+        min_pixels=28 * 28 * 4,
+        max_pixels=28 * 28 * 16,
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=2,
+    ).save_pretrained(out)
     config = Qwen2VLConfig(
         text_config={
             "vocab_size": 512,
@@ -153,10 +167,87 @@ def build_qwen2vl(out: Path) -> None:
     Qwen2VLForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(out)
 
 
-BUILDERS = {"llama": build_llama, "qwen2vl": build_qwen2vl}
+def build_qwen2audio(out: Path) -> None:
+    """Qwen2-Audio: a Whisper-style encoder (1 layer, 64 wide) and a Qwen2 language model.
+
+    vLLM's Qwen2-Audio processor pads every clip to 30 s of 128-bin log-mel frames (3000),
+    the encoder's 1500 positions; each second of audio becomes 25 language-model tokens.
+    """
+    import torch
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+    from transformers.models.qwen2_audio.processing_qwen2_audio import Qwen2AudioProcessor
+    from transformers.models.whisper.feature_extraction_whisper import WhisperFeatureExtractor
+
+    special = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|audio_bos|>",
+        "<|AUDIO|>",
+        "<|audio_eos|>",
+    ]
+    tokenizer = train_tokenizer(special, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in special}
+    # Each audio part becomes the placeholder that vLLM expands to the clip's tokens (the
+    # form of Qwen2-Audio's own template).
+    chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for part in m['content'] %}"
+        "{% if part['type'] == 'text' %}{{ part['text'] }}"
+        "{% elif part['type'] in ['audio', 'audio_url', 'input_audio'] %}"
+        "<|audio_bos|><|AUDIO|><|audio_eos|>{% endif %}"
+        "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tokenizer.chat_template = chat_template
+    feature_extractor = WhisperFeatureExtractor(
+        feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400
+    )
+    Qwen2AudioProcessor(
+        feature_extractor=feature_extractor, tokenizer=tokenizer, chat_template=chat_template
+    ).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    config = Qwen2AudioConfig(
+        audio_config={
+            "num_mel_bins": 128,
+            "encoder_layers": 1,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 128,
+            "d_model": 64,
+            "max_source_positions": 1500,
+        },
+        text_config={
+            "model_type": "qwen2",
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 4096,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+            "tie_word_embeddings": False,
+        },
+        audio_token_index=ids["<|AUDIO|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    Qwen2AudioForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(out)
+
+
+BUILDERS = {"llama": build_llama, "qwen2vl": build_qwen2vl, "qwen2audio": build_qwen2audio}
+BUILD_VERSION = {"llama": 1, "qwen2vl": 2, "qwen2audio": 1}
+"""Bumped when a builder's output changes, so that setup_lane.sh rebuilds an older model
+(qwen2vl 2: the video placeholder in its template and its video processor)."""
 
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--version" and sys.argv[2] in BUILD_VERSION:
+        print(BUILD_VERSION[sys.argv[2]])
+        return 0
     if len(sys.argv) != 3 or sys.argv[1] not in BUILDERS:
         print(__doc__, file=sys.stderr)
         return 2

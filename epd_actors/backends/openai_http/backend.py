@@ -4,13 +4,13 @@ Theory of operation
 -------------------
 An :class:`OpenAIHttpBackend` stands for one vLLM server (``http://HOST:PORT``).
 Its :meth:`~OpenAIHttpBackend.run` task owns one
-:class:`~.openai_http_client.WorkerHttpClient` -- a lean HTTP/1.1 keep-alive
+:class:`~epd_actors.http.client.WorkerHttpClient` -- a lean HTTP/1.1 keep-alive
 connection pool over Trio, bounded by :class:`OpenAIHttpSettings` (each request
 one write; see that module for why not a general-purpose client) -- reports "started" at
 once (a router must come up while a server is still loading its model), and
 then probes ``GET /health`` every ``health_interval_s`` over a connection of
 its own (never queued behind requests in a saturated pool).  Two
-:class:`~.openai_http_settings.Hysteresis` trackers turn the probes into
+:class:`~epd_actors.backends.openai_http.settings.Hysteresis` trackers turn the probes into
 ``status()``: *connected* (the server answers HTTP at all) and *ready* (it
 answers 200).  ``failures_to_down`` bad probes in a row take a worker down,
 ``successes_to_up`` good ones bring it back; a request that cannot even
@@ -41,7 +41,7 @@ another role) is refused too, until the probes see it go down and come back
 (a restart).
 
 Stage requests become vLLM's disaggregated contract
-(:mod:`.openai_http_contract` builds every body):
+(:mod:`epd_actors.backends.openai_http.contract` builds every body):
 
 * encode: one ``POST /v1/chat/completions`` per media item, concurrently; the
   replies' ``ec_transfer_params`` are merged into the result;
@@ -77,7 +77,7 @@ Release.  Stock vLLM has no call that frees a finished prefill's KV blocks.
 its lease, ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, runs out); ``consume`` sends
 a ready decoder a one-token copy of the decode request, which pulls the blocks
 and so frees them at once -- but only for hand-offs no decoder has accepted
-yet, tracked in a :class:`~.openai_http_settings.HandoffLedger` shared by the
+yet, tracked in a :class:`~epd_actors.backends.openai_http.settings.HandoffLedger` shared by the
 backends of one router (:class:`OpenAIHttpBackendFactory`).  docs/reliability.md
 weighs the two.
 """
@@ -108,6 +108,7 @@ from ...http.client import (
     Response,
     WorkerHttpClient,
 )
+from ...http.sse import SseDecoder
 from ...limits import CLEANUP_TIMEOUT_S
 from ...lora import LOAD_LORA_PATH, AdapterLoads, listed_adapters
 from ...protocol import EncodeRequest, ErrorCode, StageResult
@@ -117,7 +118,6 @@ from .contract import (
     DeltaParser,
     HttpCall,
     ReplyError,
-    SseDecoder,
     StreamFailed,
     consume_body,
     encode_call,

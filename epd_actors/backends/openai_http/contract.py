@@ -23,7 +23,7 @@ contract") are then small transforms of that body:
   that no real decode will ever claim.
 
 Replies: :func:`encode_result` and :func:`prefill_result` read E's and P's JSON
-bodies; :class:`SseDecoder` splits a response byte stream into server-sent
+bodies; :class:`~epd_actors.http.sse.SseDecoder` splits a response byte stream into server-sent
 events (bounded), and :class:`DeltaParser` turns vLLM's stream chunks into
 protocol :class:`~epd_actors.protocol.Delta`s.  vLLM sends the finish reason in
 one chunk and the usage in a later one, so the parser holds the finish reason
@@ -31,8 +31,8 @@ back until the usage chunk or ``[DONE]`` arrives and emits one terminal delta
 with both.  Every event parsed from one network read is merged into a single
 delta, so a burst of tokens costs the router one hand-off, not one per token.
 
-Nothing here does I/O: :mod:`.openai_http` sends the calls, through
-:mod:`.openai_http_client`.
+Nothing here does I/O: :mod:`epd_actors.backends.openai_http.backend` sends the calls, through
+:mod:`epd_actors.http.client`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from ...errors import InvalidRequest
+from ...http.sse import DONE_DATA, SseError, SseEvent
 from ...protocol import Delta, StageResult, TokenLogprob, Usage, merge_delta_fields
 
 if TYPE_CHECKING:
@@ -64,7 +65,6 @@ COMPLETIONS_PATH: Final = "/v1/completions"
 
 _DATA_URL_PARTS: Final = {"image": "image_url", "audio": "audio_url", "video": "video_url"}
 _INPUT_AUDIO_FORMATS: Final = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/mpeg": "mp3"}
-_DONE: Final = "[DONE]"
 _JSON_WHITESPACE: Final = " \t\n\r"
 # typeshed names the scanner class as make_scanner's argument; it takes a decoder.
 _SCAN_JSON: Final = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
@@ -238,7 +238,9 @@ def encode_call(request: EncodeRequest, index: int, *, model: str, suffix: str) 
     The header is ``<request_id>:<suffix>`` for a single-item request (the
     encode actor's request ids already end in ``:<item>``), else
     ``<request_id>:<index>:<suffix>``.  ``suffix`` differs per attempt, so a
-    retry never reuses an id an encoder may still hold.
+    retry never reuses an id an encoder may still hold.  The request's
+    processing options (``mm_processor_kwargs``, ``media_io_kwargs``) go in
+    the body as the client sent them, as they go to P and D.
     """
     item = request.media[index]
     body: JsonObject = {
@@ -246,6 +248,7 @@ def encode_call(request: EncodeRequest, index: int, *, model: str, suffix: str) 
         "messages": [{"role": "user", "content": [media_part(item)]}],
         "max_tokens": 1,
         "stream": False,
+        **(request.options or {}),
     }
     if len(request.media) == 1:
         request_id = f"{request.request_id}:{suffix}"
@@ -325,8 +328,9 @@ def generate_call(request: GenerateRequest, *, model: str, return_token_ids: boo
 # ---------------------------------------------------------------- replies
 
 
-class ReplyError(ValueError):
-    """A reply that does not follow the contract (bad JSON, wrong types)."""
+ReplyError = SseError
+"""A reply that does not follow the contract (bad JSON, wrong types, a broken event
+stream): the SSE decoder's own error, so that one ``except`` covers a reply and its events."""
 
 
 def json_object(data: bytes | str) -> JsonObject:
@@ -451,85 +455,6 @@ def _error_field(data: bytes | str, key: str) -> str | None:
 # ---------------------------------------------------------------- server-sent events
 
 
-@dataclass(frozen=True, slots=True)
-class SseEvent:
-    """One server-sent event: its ``event:`` name (empty for messages) and ``data``."""
-
-    event: str
-    data: str
-
-
-class SseDecoder:
-    """Splits a byte stream into server-sent events; bounded, resumable.
-
-    Lines end in ``\\n`` or ``\\r\\n``; comment lines (``:``) and fields other
-    than ``event`` and ``data`` are skipped; an event ends at a blank line.
-
-    Args:
-        max_event_bytes: the longest line and the largest event's data
-            (bytes); a stream that exceeds it is broken, not slow.
-    """
-
-    __slots__ = ("_buffer", "_data", "_data_bytes", "_event", "max_event_bytes")
-
-    def __init__(self, max_event_bytes: int) -> None:
-        self.max_event_bytes = max_event_bytes
-        self._buffer = bytearray()
-        self._data: list[str] = []
-        self._data_bytes = 0
-        self._event = ""
-
-    def feed(self, chunk: bytes) -> list[SseEvent]:
-        """The events completed by ``chunk``.
-
-        The complete lines are split in one call; a ``data`` line, nearly
-        every line of a stream, is handled inline.
-
-        Raises:
-            ReplyError: a line or an event over the limit, or bytes that are not UTF-8.
-        """
-        buffer = self._buffer
-        buffer += chunk
-        cut = buffer.rfind(b"\n") + 1
-        lines = buffer[:cut].split(b"\n") if cut else []
-        del buffer[:cut]
-        if len(buffer) > self.max_event_bytes:
-            raise ReplyError(f"a server-sent event line exceeds {self.max_event_bytes} bytes")
-        if lines:
-            lines.pop()  # what follows the last line break: nothing
-        events: list[SseEvent] = []
-        for line in lines:
-            if line[-1:] == b"\r":
-                line = line.rstrip(b"\r")
-            if line[:5] == b"data:":
-                value = line[6:] if line[5:6] == b" " else line[5:]
-                self._data_bytes += len(value)
-                if self._data_bytes > self.max_event_bytes:
-                    raise ReplyError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
-                self._data.append(_utf8(value))
-            elif not line:
-                if self._data or self._event:
-                    data = self._data
-                    events.append(
-                        SseEvent(self._event, data[0] if len(data) == 1 else "\n".join(data))
-                    )
-                    self._data, self._data_bytes, self._event = [], 0, ""
-            elif line == b"data":  # a field without a colon has an empty value
-                self._data.append("")
-            elif line[:1] != b":":
-                name, _, value = line.partition(b":")
-                if name == b"event":
-                    self._event = _utf8(value[1:] if value[:1] == b" " else value)
-        return events
-
-
-def _utf8(value: bytes | bytearray) -> str:
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ReplyError("a server-sent event is not UTF-8") from None
-
-
 class StreamFailed(Exception):
     """The worker reported an error inside the stream (``error`` data or event)."""
 
@@ -595,7 +520,7 @@ class DeltaParser:
             ReplyError: a chunk that is not the shape vLLM sends.
         """
         for event in events:
-            if event.data == _DONE:
+            if event.data == DONE_DATA:
                 self._done = True
                 continue
             if self._done:

@@ -54,7 +54,7 @@ from ..tracing import attempt_span
 from .jobs import Job, StageContext, StageEvent, StageFailure
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
     from ...backends.base import StageBackend
     from ...protocol import Delta, GenerateRequest
@@ -178,6 +178,26 @@ class BaseActor:
         Synchronous: it runs in the requester's task, between two stages.
         """
         return items
+
+    async def share(
+        self,
+        context: StageContext,
+        items: list[int | None],
+        run: Callable[[list[int | None]], Awaitable[None]],
+        bound_s: float,
+    ) -> None:
+        """Run the jobs of ``items`` with ``run`` (default: all of them, at once).
+
+        A stage whose results outlive a request (encode, with reuse) may wait,
+        at most ``bound_s`` seconds, for another request's job producing the
+        same result instead, and run only what it still lacks afterwards.
+
+        Raises:
+            EpdError: as ``run``.
+
+        Cancellation: cancellable at any await (``run`` cancels its jobs).
+        """
+        await run(items)
 
     def redo(self, context: StageContext, error: EpdError) -> list[int | None]:
         """The items to run again because a later stage failed with ``error``.

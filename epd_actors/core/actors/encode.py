@@ -9,6 +9,9 @@ remembered.  When a later stage refuses with ``missing_encoder_cache``,
 :meth:`EncodeActor.redo` forgets the remembered items the refusal names (all
 of this request's remembered items when it names none) and returns them, so
 the supervisor encodes exactly those again and retries the stage once.
+Two requests in flight for the same unseen item encode it once: the second
+waits for the first's encode (:meth:`EncodeActor.share`, bounded by the
+encode timeout) and encodes the item itself only when that one fails.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import trio
 
 from ...errors import RemoteWorkerError
 from ...protocol import EncodeRequest, ErrorCode, Role
+from ..encode_flights import EncodeFlights
 from ..encoder_cache import missing_hashes
 from ..lifecycle import Phase
 from ..routing import RouteKey
@@ -29,7 +33,7 @@ from .jobs import Job, StageContext, StageOutput
 from .registry import register_stage
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Awaitable, Callable, Mapping
 
     from ...backends.base import StageBackend
     from ...errors import EpdError
@@ -50,9 +54,11 @@ class EncodeActor(BaseActor):
     order = 10
 
     encoder_cache: EncoderCache | None = None  # set per actor by use_encoder_cache
+    flights: EncodeFlights | None = None  # the items being encoded now, with reuse on
 
     def use_encoder_cache(self, cache: EncoderCache) -> None:
         self.encoder_cache = cache
+        self.flights = EncodeFlights()
 
     @classmethod
     def attempt_timeout(cls, deadlines: Deadlines) -> float:
@@ -88,6 +94,59 @@ class EncodeActor(BaseActor):
             context.recalled.add(key)
         return pending
 
+    async def share(
+        self,
+        context: StageContext,
+        items: list[int | None],
+        run: Callable[[list[int | None]], Awaitable[None]],
+        bound_s: float,
+    ) -> None:
+        """Encode the items nobody else is encoding; wait for the others' encodes.
+
+        With reuse on, each item is claimed for this request unless another
+        request's encode of it (same memory key) is in flight; then this
+        request waits for that encode, at most ``bound_s`` seconds, while its
+        own items run, and reads the memory again: what the other encode left
+        there is absorbed, and the items still missing (that encode failed,
+        was cancelled, or outlasted the bound) are encoded here.  Claims end
+        when this call does, however it ends, waking their waiters.
+
+        Raises:
+            EpdError: the first failure of this request's own encodes.
+
+        Cancellation: cancels the waits and this request's jobs; its claims
+        end, so a waiter encodes for itself.
+        """
+        cache, flights = self.encoder_cache, self.flights
+        if cache is None or flights is None or not cache.reuse.enabled:
+            await run(items)
+            return
+        media, options = context.request.media, context.request.options
+        mine: list[int | None] = []
+        theirs: list[int | None] = []
+        waits: list[trio.Event] = []
+        claims: list[tuple[str, trio.Event]] = []
+        for index in items:
+            assert index is not None, "encode jobs always cover one media item"
+            key = memory_key(media[index], options)
+            claimed = flights.claim(key)
+            if claimed is not None:
+                claims.append((key, claimed))
+                mine.append(index)
+                continue
+            in_flight = flights.in_flight(key)
+            assert in_flight is not None
+            waits.append(in_flight)
+            theirs.append(index)
+        try:
+            if not theirs:
+                await run(mine)
+                return
+            await _run_while_waiting(flights, context, self, mine, theirs, waits, run, bound_s)
+        finally:
+            for key, claimed in claims:
+                flights.release(key, claimed)
+
     def redo(self, context: StageContext, error: EpdError) -> list[int | None]:
         """The remembered items a ``missing_encoder_cache`` refusal names, forgotten; else none."""
         cache = self.encoder_cache
@@ -119,7 +178,10 @@ class EncodeActor(BaseActor):
     async def handle(self, job: Job, backend: StageBackend) -> None:
         index = _index(job)
         item = job.context.request.media[index]
-        result = await backend.run_stage(EncodeRequest(f"{job.request_id}:{index}", (item,)))
+        options = processing_options(job.context.request.options)
+        result = await backend.run_stage(
+            EncodeRequest(f"{job.request_id}:{index}", (item,), options=options)
+        )
         if self.encoder_cache is not None:
             self.encoder_cache.remember(
                 memory_key(item, job.context.request.options),
@@ -135,6 +197,12 @@ PROCESSING_OPTIONS: Final = ("mm_processor_kwargs", "media_io_kwargs")
 """Request fields that change what an encoder makes of an item (vLLM's processor and loader)."""
 
 
+def processing_options(options: Mapping[str, object] | None) -> dict[str, object] | None:
+    """The request options E must see (:data:`PROCESSING_OPTIONS`); None without any."""
+    chosen = {name: options[name] for name in PROCESSING_OPTIONS if options and name in options}
+    return chosen or None
+
+
 def memory_key(item: MediaItem, options: Mapping[str, object] | None) -> str:
     """What the router remembers ``item``'s encoder output under.
 
@@ -143,11 +211,46 @@ def memory_key(item: MediaItem, options: Mapping[str, object] | None) -> str:
     never reused.  It starts with the content hash either way (refusals name
     items by their hash's first characters).
     """
-    chosen = {name: options[name] for name in PROCESSING_OPTIONS if options and name in options}
+    chosen = processing_options(options)
     if not chosen:
         return item.content_hash
     text = json.dumps(chosen, sort_keys=True, separators=(",", ":"), default=str)
     return f"{item.content_hash}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+async def _run_while_waiting(
+    flights: EncodeFlights,
+    context: StageContext,
+    actor: EncodeActor,
+    mine: list[int | None],
+    theirs: list[int | None],
+    waits: list[trio.Event],
+    run: Callable[[list[int | None]], Awaitable[None]],
+    bound_s: float,
+) -> None:
+    """Run ``mine`` while waiting for ``waits``; then run what ``theirs`` still lacks.
+
+    Both runs share one nursery; the first failure cancels the rest and is
+    raised as it is (not in a group), as the supervisor's own fan-out does.
+    """
+    failures: list[Exception] = []
+
+    async def guarded(chosen: list[int | None]) -> None:
+        try:
+            await run(chosen)
+        except Exception as exc:  # re-raised unchanged below
+            failures.append(exc)
+            nursery.cancel_scope.cancel(reason="an encode job failed")
+
+    async with trio.open_nursery() as nursery:
+        if mine:
+            nursery.start_soon(guarded, mine)
+        await flights.wait(waits, trio.current_time() + bound_s)
+        rest = actor.recall(context, theirs)
+        if rest:
+            nursery.start_soon(guarded, rest)
+    if failures:
+        raise failures[0]
 
 
 def _index(job: Job) -> int:

@@ -362,7 +362,7 @@ class VllmEngine:
         async with self._tracking(request.request_id) as live:
             for index, item in enumerate(distinct.values()):
                 one = Prompt(messages=(ChatMessage("user", (0,)),))
-                rendered = await self._render(one, (item,))
+                rendered = await self._render(one, (item,), request.options)
                 final = await self._complete(
                     f"{request.request_id}:{index}", rendered, params, live
                 )

@@ -11,8 +11,6 @@ from media decoding, so it runs in a worker thread or inline.
 
 from __future__ import annotations
 
-import importlib
-import io
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -29,6 +27,7 @@ from ...protocol import (
     TokenLogprob,
     Usage,
 )
+from .vllm_media import DECODERS
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -52,7 +51,7 @@ __all__ = [
 FAILED_FINISH_REASONS: Final = frozenset({"abort", "error"})
 
 MediaDecoder = Callable[[MediaItem], object]
-"""Turns a media item into what vLLM's ``multi_modal_data`` takes (a PIL image)."""
+"""Turns a media item into what vLLM's ``multi_modal_data`` takes for its kind."""
 
 
 # ---------------------------------------------------------------- vLLM's outputs, as read
@@ -126,7 +125,12 @@ TEMPLATE_OPTIONS: Final = frozenset(
 )
 """Request options that shape how chat messages are rendered (:func:`render_prompt`)."""
 
-VLLM_OPTIONS: Final = SAMPLING_OPTIONS | STRUCTURED_OPTIONS.keys() | TEMPLATE_OPTIONS
+PROCESSOR_OPTIONS: Final = frozenset({"mm_processor_kwargs"})
+"""Request options for the model's multimodal processor: a prompt's ``mm_processor_kwargs``."""
+
+VLLM_OPTIONS: Final = (
+    SAMPLING_OPTIONS | STRUCTURED_OPTIONS.keys() | TEMPLATE_OPTIONS | PROCESSOR_OPTIONS
+)
 """Every request option the native vLLM engine honours; it refuses the others."""
 
 
@@ -199,25 +203,18 @@ class RenderedPrompt:
 
 
 def decode_media_item(item: MediaItem) -> object:
-    """Decode an image with Pillow (imported here: vLLM depends on it anyway).
+    """Decode an item the way vLLM's server does for its kind (:mod:`.vllm_media`).
 
     Raises:
-        EngineError: ``invalid_request`` for other modalities and undecodable bytes.
+        EngineError: ``invalid_request`` for a kind vLLM takes no data for and
+            undecodable bytes; ``engine_error`` when the kind's libraries are missing.
     """
-    if item.modality != "image":
+    decoder = DECODERS.get(item.modality)
+    if decoder is None:
         raise EngineError(
-            ErrorCode.INVALID_REQUEST, f"the vLLM engine decodes images only, not {item.mime_type}"
+            ErrorCode.INVALID_REQUEST, f"the vLLM engine cannot decode {item.mime_type}"
         )
-    try:
-        image_module = importlib.import_module("PIL.Image")
-    except ImportError:
-        raise EngineError(ErrorCode.ENGINE_ERROR, "Pillow is needed to decode images") from None
-    try:
-        with image_module.open(io.BytesIO(item.data)) as image:
-            image.load()
-            return image.convert("RGB")
-    except (OSError, ValueError, image_module.DecompressionBombError) as exc:
-        raise EngineError(ErrorCode.INVALID_REQUEST, f"cannot decode image: {exc}") from None
+    return decoder(item)
 
 
 def _invalid(message: str) -> EngineError:
@@ -328,7 +325,8 @@ def render_prompt(
     item (by content hash) is decoded once; ``multi_modal_data`` lists the
     decoded items per modality in placeholder order.  The request's template
     options (``chat_template_kwargs``, ``add_generation_prompt``,
-    ``continue_final_message``) go to the template as vLLM's server passes them.
+    ``continue_final_message``) go to the template as vLLM's server passes them;
+    ``mm_processor_kwargs`` go on the prompt, for the model's processor.
 
     Raises:
         EngineError: ``invalid_request`` for bad media references, undecodable
@@ -355,6 +353,9 @@ def render_prompt(
                 decoded[item.content_hash] = decode_media(item)
             multi_modal.setdefault(item.modality, []).append(decoded[item.content_hash])
         inputs["multi_modal_data"] = multi_modal
+    processor = (options or {}).get("mm_processor_kwargs")
+    if isinstance(processor, dict) and processor:
+        inputs["mm_processor_kwargs"] = dict(processor)
     return RenderedPrompt(inputs, tokenization)
 
 
