@@ -9,6 +9,7 @@ this reader.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import typing
 from pathlib import Path
@@ -17,13 +18,34 @@ from typing import TypeVar
 from .errors import ConfigError
 
 
+class _AskedDict(dict[str, object]):
+    """A dict that remembers every key it was asked about (for "did you mean")."""
+
+    def __init__(self, data: dict[str, object]) -> None:
+        super().__init__(data)
+        self.asked: set[str] = set()
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            self.asked.add(key)
+        return super().__contains__(key)
+
+    def pop(self, key: str, *default: object) -> object:
+        self.asked.add(key)
+        return super().pop(key, *default)
+
+
 class ConfigTable:
-    """Reads one TOML table; each getter pops its key; ``done()`` refuses leftovers."""
+    """Reads one TOML table; each getter pops its key; ``done()`` refuses leftovers.
+
+    ``done()`` names each leftover key, with the closest key the reader asked
+    for when one is close (``difflib``): ``did you mean server.http_listen?``.
+    """
 
     def __init__(self, data: object, path: str) -> None:
         if not isinstance(data, dict):
             raise ConfigError(f"{path or 'config'}: expected a table")
-        self._data = dict(data)
+        self._data = _AskedDict(data)
         self._path = path
 
     @property
@@ -134,8 +156,14 @@ class ConfigTable:
 
     def done(self) -> None:
         if self._data:
-            unknown = ", ".join(self.key(k) for k in self._data)
+            known = sorted(self._data.asked - set(self._data))
+            unknown = ", ".join(self.key(k) + _suggestion(k, known, self) for k in self._data)
             raise ConfigError(f"unknown key(s): {unknown}")
+
+
+def _suggestion(name: str, known: list[str], table: ConfigTable) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    return f" (did you mean {table.key(close[0])}?)" if close else ""
 
 
 _T = TypeVar("_T")

@@ -24,10 +24,10 @@ import trio
 from .client import Target
 from .payload import Workload
 from .runner import LoadSpec, RunResult, is_finite_positive, progress_stream, run_load
-from .stats import format_summary
+from .stats import format_summary, parse_percentiles, parse_slos, summarize
 
 if TYPE_CHECKING:
-    from .stats import RequestRecord
+    from .stats import RequestRecord, Summary
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +65,27 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--records", action="store_true", help="include every request's record in the JSON"
     )
     parser.add_argument(
+        "--max-failure-ratio",
+        type=float,
+        default=None,
+        metavar="RATIO",
+        help="exit 1 when more than this share of the requests failed (0 to 1; default: "
+        "exit 1 only when none succeeded)",
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="METRIC:MS",
+        help="service-level objectives for goodput, e.g. ttft:200 tpot:50 (metrics: ttft, "
+        "tpot, e2e; milliseconds)",
+    )
+    parser.add_argument(
+        "--percentiles",
+        default="50,90,99",
+        help="comma-separated percentiles of every latency (default 50,90,99)",
+    )
+    parser.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -89,7 +110,23 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--mm-fraction must be in [0, 1]"
     if args.images and args.endpoint != "chat":
         return "--images needs --endpoint chat"
+    if args.max_failure_ratio is not None and not 0.0 <= args.max_failure_ratio <= 1.0:
+        return "--max-failure-ratio must be in [0, 1]"
+    try:
+        parse_slos(args.goodput or ())
+        parse_percentiles(args.percentiles)
+    except ValueError as exc:
+        return str(exc)
     return None
+
+
+def exit_status(summary: Summary, max_failure_ratio: float | None) -> int:
+    """1 when the run failed by the chosen measure (see ``--max-failure-ratio``), else 0."""
+    if summary.completed == 0:
+        return 1
+    if max_failure_ratio is not None and summary.failure_ratio > max_failure_ratio:
+        return 1
+    return 0
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
@@ -126,7 +163,9 @@ def _record_json(record: RequestRecord) -> dict[str, object]:
         "start": record.start,
         "ttft": record.ttft,
         "e2e": record.e2e,
+        "input_tokens": record.input_tokens,
         "output_tokens": record.output_tokens,
+        "stages": record.stages,
         "events": record.events,
         "status": record.status,
         "error": record.error,
@@ -189,11 +228,23 @@ def run_bench(args: argparse.Namespace) -> int:
     result = trio.run(
         lambda: run_load(target, workload, load, progress=progress_stream(args.progress))
     )
+    result.summary = summarize(
+        result.records,
+        duration_s=result.summary.duration_s,
+        client_cpu_s=result.summary.client_cpu_s,
+        percentiles=parse_percentiles(args.percentiles),
+        slos=parse_slos(args.goodput or ()),
+    )
     print(format_summary(result.summary, title=title), flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(result_json(args, workload, load, result), handle, indent=1)
             handle.write("\n")
-    if result.summary.completed == 0:
-        return 1
-    return 0
+    status = exit_status(result.summary, args.max_failure_ratio)
+    if status and result.summary.completed:
+        print(
+            f"epd_actors bench: {result.summary.failure_ratio:.1%} of the requests failed, "
+            f"more than --max-failure-ratio {args.max_failure_ratio:g}",
+            file=sys.stderr,
+        )
+    return status

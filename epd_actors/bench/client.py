@@ -32,6 +32,7 @@ from ..http.client import (
     WorkerHttpClient,
 )
 from ..http.sse import DONE_DATA, SseDecoder, SseError
+from .stats import parse_timings
 
 if TYPE_CHECKING:
     from .stats import RequestRecord
@@ -50,6 +51,10 @@ _EMPTY_TEXT: Final = (
     '"content": null',
 )
 _USAGE_KEYS: Final = ('"usage":{', '"usage": {')
+# The router's per-stage timings in a stream: an SSE comment just before [DONE]
+# (the SSE decoder skips comments, so the raw bytes are searched for it).
+_TIMINGS_COMMENT: Final = b"\n: timings "
+_CARRY_BYTES: Final = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,12 +137,23 @@ def open_client(target: Target, *, timeout_s: float) -> LoadClient:
 class _StreamScan:
     """Reads SSE bytes as they arrive; see the module docstring."""
 
-    __slots__ = ("decoder", "done", "error", "events", "last_text", "record", "t0", "text_events")
+    __slots__ = (
+        "carry",
+        "decoder",
+        "done",
+        "error",
+        "events",
+        "last_text",
+        "record",
+        "t0",
+        "text_events",
+    )
 
     def __init__(self, record: RequestRecord, t0: float) -> None:
         self.record = record
         self.t0 = t0
         self.decoder = SseDecoder(MAX_EVENT_BYTES)
+        self.carry = b""  # the last bytes seen, for a comment split across reads
         self.events = 0
         self.text_events = 0
         self.last_text = 0.0
@@ -145,6 +161,7 @@ class _StreamScan:
         self.error: str | None = None
 
     def feed(self, data: bytes, now: float) -> None:
+        self._find_timings(data)
         try:
             events = self.decoder.feed(data)
         except SseError as exc:
@@ -169,17 +186,29 @@ class _StreamScan:
             elif payload == DONE_DATA:
                 self.done = True
             elif any(key in payload for key in _USAGE_KEYS):
-                self.record.output_tokens = _completion_tokens(payload)
+                self.record.input_tokens, self.record.output_tokens = _usage(payload)
             elif payload.startswith('{"error"'):
                 self.error = "error event: " + payload[-200:]
 
+    def _find_timings(self, data: bytes) -> None:
+        """Read a ``: timings ...`` comment line, even one split across reads."""
+        window = self.carry + data
+        start = window.rfind(_TIMINGS_COMMENT)
+        if start >= 0:
+            end = window.find(b"\n", start + len(_TIMINGS_COMMENT))
+            if end >= 0:
+                line = window[start + len(_TIMINGS_COMMENT) : end]
+                self.record.stages = parse_timings(line.decode(errors="replace"))
+        self.carry = window[-_CARRY_BYTES:]
 
-def _completion_tokens(payload: str) -> int:
+
+def _usage(payload: str) -> tuple[int, int]:
+    """``(prompt_tokens, completion_tokens)`` of a body with ``usage`` (zeros if malformed)."""
     try:
         usage = json.loads(payload)["usage"]
-        return int(usage.get("completion_tokens") or 0)
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
     except (ValueError, KeyError, TypeError, AttributeError):
-        return 0
+        return 0, 0
 
 
 async def send_request(
@@ -202,6 +231,9 @@ async def send_request(
         response = await client.http.request("POST", target.path, body, headers=target.headers())
         try:
             record.status = response.status
+            for name, value in response.headers:
+                if name == "x-epd-timings":
+                    record.stages = parse_timings(value)
             if stream and response.status == 200:
                 while (chunk := await response.next_chunk()) is not None:
                     scan.feed(chunk, trio.current_time())
@@ -244,6 +276,7 @@ def _finish_plain(body: bytes, record: RequestRecord) -> None:
     record.ttft = record.e2e
     try:
         usage = json.loads(body).get("usage") or {}
+        record.input_tokens = int(usage.get("prompt_tokens") or 0)
         record.output_tokens = int(usage.get("completion_tokens") or 0)
     except (ValueError, AttributeError, TypeError):
         record.error = "response body is not JSON"

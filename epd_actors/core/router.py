@@ -229,7 +229,7 @@ class Router:
                 return
         raise ConfigError(f"unknown worker {worker_id!r}")
 
-    def resume_worker(self, worker_id: str) -> None:
+    def resume_worker(self, worker_id: str, *, origin: str | None = None) -> None:
         """Give a drained worker new jobs again (undoes ``drain_worker``).
 
         Raises:
@@ -239,6 +239,7 @@ class Router:
             if pool.get(worker_id) is not None:
                 pool.resume(worker_id)
                 logger.info("worker %s resumed", worker_id)
+                self._changed(WorkerChange("resume", worker_id), origin)
                 return
         raise ConfigError(f"unknown worker {worker_id!r}")
 

@@ -9,11 +9,12 @@ method   path                             effect
 GET      /admin/workers                   every pool's workers and their state
 POST     /admin/workers                   add ``{"stage", "id", "address", "backend"}``
 POST     /admin/workers/{id}/drain        no new jobs to that worker; in-flight finish
+POST     /admin/workers/{id}/undrain      new jobs to that worker again (undoes drain)
 DELETE   /admin/workers/{id}              remove it (its in-flight jobs are cancelled)
 GET      /admin/routers                   the live router replicas (``[shared]``)
 =======  ===============================  ==========================================
 
-With ``[shared]`` configured, adding, draining and removing reach the other
+With ``[shared]`` configured, adding, draining, undraining and removing reach the other
 replicas too (``epd_actors.core.fleet``).
 
 Errors answer ``{"error": {"message", "type"}}`` with 400 (bad body), 404
@@ -65,6 +66,8 @@ class RouterAdmin:
             worker_id, _, action = rest.partition("/")
             if method == "POST" and action == "drain":
                 return self._apply(self.router.drain_worker, worker_id, "draining")
+            if method == "POST" and action == "undrain":
+                return self._apply(self.router.resume_worker, worker_id, "serving")
             if method == "DELETE" and not action:
                 return self._apply(self.router.remove_worker, worker_id, "removed")
         return _error(404, f"no admin route {method} {path}")

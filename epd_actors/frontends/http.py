@@ -12,7 +12,9 @@ server holds what connections share: the app, the settings, the API keys
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and ``/admin/*`` when
-the app has an admin hook and admin keys are set.  ``/v1/*`` needs an API key
+the app has an admin hook and admin keys are set; with a WebSocket server
+given, ``GET /v1/ws`` with ``Upgrade: websocket`` becomes a WebSocket
+connection (:mod:`.ws_upgrade`), so one port serves both.  ``/v1/*`` needs an API key
 when any is configured; ``/health`` and ``/metrics`` are open (as in vLLM).
 Errors map to HTTP in :mod:`epd_actors.openai.errors`; settings and the app protocol live
 in :mod:`.http_app`; docs/http.md is the narrative.
@@ -40,6 +42,7 @@ from .media_fetch import open_allowed_fetcher
 
 if TYPE_CHECKING:
     from .media_fetch import MediaFetcher
+    from .ws import WsServer
 
 __all__ = [
     "ROUTES",
@@ -62,6 +65,7 @@ async def serve_http(
     *,
     settings: HttpSettings | None = None,
     handler_nursery: trio.Nursery | None = None,
+    websocket: WsServer | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Serve the OpenAI HTTP API on ``listeners`` until cancelled.
@@ -71,6 +75,8 @@ async def serve_http(
         listeners: e.g. from ``trio.open_tcp_listeners(8000)``.
         settings: limits, timeouts and keys (default: :class:`HttpSettings`).
         handler_nursery: where connection tasks run (default: an internal one).
+        websocket: serves WebSocket upgrades of its path on these listeners
+            (None: no upgrades).
         task_status: reports the listeners once they accept.
 
     Cancellation: cancelling stops accepting and cancels every connection;
@@ -83,7 +89,7 @@ async def serve_http(
     settings = settings or HttpSettings()
     async with open_allowed_fetcher(settings.media) as fetcher:
         await trio.serve_listeners(
-            HttpServer(app, settings, fetcher=fetcher).handle_connection,
+            HttpServer(app, settings, fetcher=fetcher, websocket=websocket).handle_connection,
             listeners,
             handler_nursery=handler_nursery,
             task_status=task_status,
@@ -97,12 +103,20 @@ class HttpServer:
         app: what requests run against.
         settings: limits, timeouts and keys.
         fetcher: loads allowed media URLs (None: URL media are refused).
+        websocket: takes the connections whose request asks for a WebSocket
+            on its path (``Upgrade: websocket``); None: no upgrades.
     """
 
     def __init__(
-        self, app: HttpApp, settings: HttpSettings, *, fetcher: MediaFetcher | None = None
+        self,
+        app: HttpApp,
+        settings: HttpSettings,
+        *,
+        fetcher: MediaFetcher | None = None,
+        websocket: WsServer | None = None,
     ) -> None:
         self.app = app
+        self.websocket = websocket
         self.settings = settings
         self.fetcher = fetcher
         self.connections = 0
@@ -138,9 +152,13 @@ class HttpServer:
             settings=self.settings,
             authorized=self.authorized,
             fetcher=self.fetcher,
+            upgrade_path=None if self.websocket is None else self.websocket.settings.path,
         )
         try:
             await connection.serve()
+            if self.websocket is not None and connection.upgrade is not None:
+                # The WebSocket server's own error boundary; it closes the stream.
+                await self.websocket.handle_stream(connection.upgraded_stream())
         except Exception:
             logger.exception("[%s] unexpected error; closing the connection", connection.rid)
             await connection.internal_error()

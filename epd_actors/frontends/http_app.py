@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 from ..core.fleet.view import fleet_view
 from ..openai.fields import STRICT_FIELDS, FieldPolicy
 from ..openai.media import MediaLimits
+from .cors import CorsPolicy
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -59,6 +60,7 @@ class HttpSettings:
         media: media limits and the URL/path allow-list.
         fields: what to do with request fields the router does not know
             (:class:`~epd_actors.openai.fields.FieldPolicy`: refused by default).
+        cors: the origins browsers may call from (:mod:`.cors`; none by default).
     """
 
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -75,6 +77,7 @@ class HttpSettings:
     access_log: bool = False
     media: MediaLimits = field(default_factory=MediaLimits)
     fields: FieldPolicy = STRICT_FIELDS
+    cors: CorsPolicy = field(default_factory=CorsPolicy)
 
 
 class HttpApp(Protocol):

@@ -66,6 +66,7 @@ from ..transport.framed import send_some_nowait
 from .event_batches import next_batch
 from .media_fetch import resolve_media
 from .sse_direct import DirectSseWriter
+from .ws_upgrade import ReplayStream, replayed_head, wants_websocket
 
 if TYPE_CHECKING:
     from ..request import GenerationEvent
@@ -150,6 +151,9 @@ class HttpConnection:
         settings: limits, timeouts, keys.
         authorized: checks an ``Authorization`` header (``admin=True`` for admin keys).
         fetcher: loads allowed media URLs (None: URL media are refused).
+        upgrade_path: a ``GET`` of this path asking for ``Upgrade: websocket``
+            ends the HTTP part of the connection (:attr:`upgrade`; see
+            :mod:`.ws_upgrade`); None: no upgrades (404).
     """
 
     def __init__(
@@ -160,16 +164,20 @@ class HttpConnection:
         settings: HttpSettings,
         authorized: Authorizer,
         fetcher: MediaFetcher | None = None,
+        upgrade_path: str | None = None,
     ) -> None:
         self.stream = stream
         self.app = app
         self.settings = settings
         self._authorized = authorized
         self._fetcher = fetcher
+        self._upgrade_path = upgrade_path
+        self.upgrade: h11.Request | None = None  # the WebSocket handshake that ended HTTP
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_bytes)
         self.saw_eof = False
         self.close_after = False
         self.exchange: _Exchange | None = None
+        self._cors: tuple[tuple[str, str], ...] = ()  # CORS headers of the current answer
         # The reader task and the request loop: see ``_read_loop``.
         self._arrived = trio.Event()  # set by the reader when it fed h11 (or saw EOF)
         self._wanted = trio.Event()  # set by the request loop when it waits for bytes
@@ -211,7 +219,8 @@ class HttpConnection:
                 return
             await self._exchange(request)
             if (
-                self.close_after
+                self.upgrade is not None
+                or self.close_after
                 or self.h11.our_state is not h11.DONE
                 or self.h11.their_state is not h11.DONE
             ):
@@ -237,6 +246,7 @@ class HttpConnection:
 
     async def _refuse_head(self, exc: HttpError) -> None:
         self.exchange = exchange = _Exchange("-", "-", new_request_id(), trio.current_time())
+        self._cors = ()
         self.close_after = True
         try:
             await self._send_error(exc)
@@ -253,6 +263,12 @@ class HttpConnection:
         path = request.target.split(b"?", 1)[0].decode("latin-1")
         method = request.method.decode("latin-1")
         self.exchange = exchange = _Exchange(method, path, rid, trio.current_time())
+        self._cors = self.settings.cors.response_headers(headers.get("origin", ""))
+        if path == self._upgrade_path and wants_websocket(method, headers):
+            exchange.route, exchange.status = path, 101
+            self.upgrade = request  # answered by the WebSocket server (upgraded_stream)
+            self._log_exchange(exchange)
+            return
         try:
             await self._route(method, path, headers, exchange)
         except (HttpError, EpdError, _Failed) as exc:
@@ -280,7 +296,15 @@ class HttpConnection:
         exchange.route = path
         if method == "OPTIONS":
             await self._read_body(0)
-            await self._send_bytes(204, b"", (("allow", allowed_methods(allowed)),))
+            extra: tuple[tuple[str, str], ...] = (("allow", allowed_methods(allowed)),)
+            if "access-control-request-method" in headers:  # a CORS preflight
+                self._cors = ()
+                extra += self.settings.cors.preflight_headers(
+                    headers.get("origin", ""),
+                    allowed_methods(allowed),
+                    headers.get("access-control-request-headers", ""),
+                )
+            await self._send_bytes(204, b"", extra)
             return
         if method != allowed and not (method == "HEAD" and allowed == "GET"):
             raise HttpError(
@@ -553,7 +577,7 @@ class HttpConnection:
     # -- writing
 
     def _headers(self, extra: tuple[tuple[str, str], ...] = ()) -> list[tuple[str, str]]:
-        headers = [("x-request-id", self.rid), *extra]
+        headers = [("x-request-id", self.rid), *self._cors, *extra]
         if self.close_after:
             headers.append(("connection", "close"))
         return headers
@@ -646,6 +670,16 @@ class HttpConnection:
         self.close_after = True
         raise ClientGone(f"a write took longer than {self.settings.write_timeout_s:g}s")
 
+    def upgraded_stream(self) -> trio.abc.Stream:
+        """The connection's stream, from the upgrade request's first byte on.
+
+        Call once :meth:`serve` returned with :attr:`upgrade` set: the reader
+        task is gone, so what it had received is in h11's buffer, replayed
+        after the rebuilt head.
+        """
+        assert self.upgrade is not None
+        return ReplayStream(self.stream, replayed_head(self.upgrade) + self.h11.trailing_data[0])
+
     async def internal_error(self) -> None:
         """Best-effort 500 after an unexpected error, if no response has started.
 
@@ -667,7 +701,7 @@ class HttpConnection:
         way, forcefully, without waiting.
         """
         try:
-            if not self.saw_eof:
+            if not self.saw_eof and self.upgrade is None:
                 with trio.move_on_after(self.settings.linger_s):
                     await self._linger()
         finally:

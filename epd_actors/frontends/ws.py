@@ -4,13 +4,15 @@ Theory of operation
 -------------------
 :func:`serve_ws` accepts TCP connections with ``trio.serve_listeners`` and
 gives each to :meth:`WsServer.handle_stream`, the per-connection error
-boundary: it runs trio-websocket's handshake (``wrap_server_stream``: its
-reader task parses the request) and :meth:`WsServer.handle_request`, which
-refuses a wrong path (404) or a missing or wrong API key (401) and otherwise
-accepts and serves the connection with a :class:`WsConnection`.  Whatever
-fails there, in our code or in trio-websocket's tasks (a reset in the middle
-of the handshake, bytes that are not a handshake, a header wsproto cannot
-decode), ends that connection only.  docs/websocket.md defines the messages.
+boundary (the HTTP front end also hands it the connections that ask for an
+upgrade on its port, :mod:`.ws_upgrade`): it runs trio-websocket's handshake
+(``wrap_server_stream``: its reader task parses the request) and
+:meth:`WsServer.handle_request`, which refuses a wrong path (404) or a missing
+or wrong API key (401) and otherwise accepts and serves the connection with a
+:class:`WsConnection`. Whatever fails there, in our code or in
+trio-websocket's tasks (a reset in the middle of the handshake, bytes that are not
+a handshake, a header wsproto cannot decode), ends that connection only.
+docs/websocket.md defines the messages.
 
 The messages themselves (parsing and building them) live in
 :mod:`.ws_messages`; this module does the I/O.
@@ -81,6 +83,7 @@ from .ws_messages import (
     error_payload,
     parse_client_message,
 )
+from .ws_upgrade import stream_peer
 
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
@@ -292,7 +295,7 @@ class WsServer:
     @property
     def port(self) -> int:
         """The listening port (the kernel's choice when started with port 0)."""
-        ports = {listener.socket.getsockname()[1] for listener in self.listeners}
+        ports = {_listening_socket(listener).getsockname()[1] for listener in self.listeners}
         if not ports:
             raise RuntimeError("the server is not listening yet")
         if len(ports) > 1:
@@ -316,7 +319,7 @@ class WsServer:
             matched |= hmac.compare_digest(presented, key)
         return matched and bool(presented)
 
-    async def handle_stream(self, stream: trio.SocketStream) -> None:
+    async def handle_stream(self, stream: trio.abc.Stream) -> None:
         """Serve one TCP connection: the opening handshake, then the WebSocket.
 
         This is the per-connection error boundary, as in the HTTP front end:
@@ -335,7 +338,7 @@ class WsServer:
         Resource handling: the stream is always closed on return (forcefully,
         without waiting).
         """
-        attempt = _Attempt(_stream_peer(stream))
+        attempt = _Attempt(stream_peer(stream))
         try:
             await self._serve_stream(stream, attempt)
         except* Exception as group:
@@ -343,7 +346,7 @@ class WsServer:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def _serve_stream(self, stream: trio.SocketStream, attempt: _Attempt) -> None:
+    async def _serve_stream(self, stream: trio.abc.Stream, attempt: _Attempt) -> None:
         """Run trio-websocket's reader task beside the handshake and the connection."""
         async with trio.open_nursery() as nursery:
             request = await self._receive_handshake(nursery, stream)
@@ -352,7 +355,7 @@ class WsServer:
             nursery.cancel_scope.cancel(reason="connection ended")
 
     async def _receive_handshake(
-        self, nursery: trio.Nursery, stream: trio.SocketStream
+        self, nursery: trio.Nursery, stream: trio.abc.Stream
     ) -> WebSocketRequest | None:
         """The client's opening request; None when it took over ``handshake_timeout_s``."""
         with trio.move_on_after(self.settings.handshake_timeout_s):
@@ -417,6 +420,15 @@ class WsServer:
         return None
 
 
+def _listening_socket(listener: object) -> trio.socket.SocketType:
+    """The socket under a listener, through TLS (``trio.SSLListener``) if any."""
+    while not isinstance(listener, trio.SocketListener):
+        listener = getattr(listener, "transport_listener", None)
+        if listener is None:
+            raise RuntimeError("a listener without a socket")
+    return listener.socket
+
+
 @dataclass(slots=True)
 class _Attempt:
     """One TCP connection, for the log line if it fails."""
@@ -437,14 +449,6 @@ def _log_failure(attempt: _Attempt, group: ExceptionGroup[Exception]) -> None:
         logger.debug("%r: the handshake failed", attempt, exc_info=unexpected)
     else:
         logger.error("%r: unexpected error; connection closed", attempt, exc_info=unexpected)
-
-
-def _stream_peer(stream: trio.SocketStream) -> str:
-    try:
-        peer = stream.socket.getpeername()
-    except OSError:  # already reset
-        return "?"
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
 
 def _split_target(target: str) -> tuple[str, str]:

@@ -6,8 +6,10 @@ one series per outcome of :data:`~.ws.WS_STREAM_OUTCOMES` (a closed set, so
 the labels stay bounded whatever clients send).
 
 The server keeps plain integers as it goes (:attr:`~.ws.WsServer.streams`);
-this collector costs nothing between scrapes.  Register it on the router's
-registry (``router.metrics.registry.register(WsCollector(server))``).
+this collector costs nothing between scrapes and sums every server it is
+given (the upgrades on the HTTP port and the separate listener).  Register it
+once on the router's registry
+(``router.metrics.registry.register(WsCollector(servers))``).
 """
 
 from __future__ import annotations
@@ -24,24 +26,32 @@ if TYPE_CHECKING:
 
 
 class WsCollector(Collector):
-    """Exports ``server``'s connections and stream outcomes (see the module doc)."""
+    """Exports the connections and stream outcomes of ``servers``, summed (see the module doc).
 
-    def __init__(self, server: WsServer) -> None:
-        self._server = server
+    Args:
+        servers: the WebSocket servers of one router; the list may grow after
+            registration (a listener that starts later).
+    """
+
+    def __init__(self, servers: list[WsServer]) -> None:
+        self._servers = servers
 
     def describe(self) -> list[Metric]:
         return list(self.collect())
 
     def collect(self) -> Iterator[Metric]:
-        server = self._server
         connections = GaugeMetricFamily(
             "epd_ws_connections", "Accepted WebSocket connections open now"
         )
-        connections.add_metric([], len(server.connections))
+        connections.add_metric([], sum(len(server.connections) for server in self._servers))
         streams = CounterMetricFamily(
             "epd_ws_streams", "WebSocket generations ended, by outcome", labels=["outcome"]
         )
-        for outcome, count in server.streams.items():
+        totals: dict[str, int] = {}
+        for server in self._servers:
+            for outcome, count in server.streams.items():
+                totals[outcome] = totals.get(outcome, 0) + count
+        for outcome, count in totals.items():
             streams.add_metric([outcome], count)
         yield connections
         yield streams

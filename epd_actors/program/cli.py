@@ -16,7 +16,6 @@ import resource
 import signal
 import sys
 from dataclasses import replace
-from functools import partial
 
 import trio
 
@@ -24,6 +23,7 @@ from .. import __version__
 from .._groups import first_leaf
 from ..bench.cli import add_bench_arguments, run_bench
 from ..errors import ConfigError
+from ..frontends.cors import CorsPolicy, parse_origins
 from ..logs import LOG_FORMATS, configure_logging
 from .check_config import add_check_config_arguments, check_topology, run_check_config
 from .config_file import FileConfig, load_config, parse_host_port
@@ -31,6 +31,8 @@ from .local import add_local_arguments, run_local
 from .process_child import child_spec, serve_child
 from .processes import child_command, run_processes, serve_processes_overrides
 from .serve import serve_router
+from .signals import stop_on_signals
+from .tls import server_ssl_context, tls_overrides
 from .worker import add_worker_arguments, run_worker
 
 COMMANDS = ("local", "serve", "worker", "check-config", "bench")
@@ -93,6 +95,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-listen",
         default=None,
         help="HOST:PORT where the parent of --processes serves every process's /metrics",
+    )
+    serve.add_argument(
+        "--ssl-certfile",
+        default=None,
+        help="PEM certificate chain: serve HTTPS/WSS (overrides [server] ssl_certfile)",
+    )
+    serve.add_argument(
+        "--ssl-keyfile",
+        default=None,
+        help="PEM private key of --ssl-certfile (overrides [server] ssl_keyfile)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="origins browsers may call the API from: comma-separated or a JSON list, "
+        "'*' for any (overrides [server] allowed_origins)",
     )
     serve.add_argument(
         "--access-log",
@@ -184,6 +203,10 @@ def run_serve(args: argparse.Namespace) -> int:
             server = replace(server, ws_listen=args.ws_listen)
         if args.access_log:
             server = replace(server, http=replace(server.http, access_log=True))
+        server = tls_overrides(server, args)
+        if args.allowed_origins is not None:
+            cors = CorsPolicy(parse_origins(args.allowed_origins))
+            server = replace(server, http=replace(server.http, cors=cors))
         server = serve_processes_overrides(server, args)
         config = replace(config, server=server)
         child = child_spec()
@@ -191,6 +214,8 @@ def run_serve(args: argparse.Namespace) -> int:
             # Each child checks the topology as a single router does.
             return run_processes(config, server.processes, child_command(args))
         check_topology(config)
+        if server.ssl_certfile is not None:
+            server_ssl_context(server.ssl_certfile, server.ssl_keyfile)  # fail before starting
     except ConfigError as exc:
         print(f"epd_actors serve: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -207,13 +232,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(config: FileConfig) -> None:
+    """Serve until a signal; a second one stops at once (:mod:`.signals`)."""
     stop = trio.Event()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            addresses, _router = await nursery.start(partial(serve_router, config, stop=stop))
+
+            async def serve(task_status: trio.TaskStatus[object]) -> None:
+                await serve_router(config, stop=stop, task_status=task_status)
+                nursery.cancel_scope.cancel(reason="router stopped")  # stop watching signals
+
+            addresses, _router = await nursery.start(serve)
             print(f"epd_actors: router listening on {addresses.http_url}", flush=True)
             if addresses.ws_url:
                 print(f"epd_actors: WebSocket streaming on {addresses.ws_url}", flush=True)
-            async for _ in signals:
-                stop.set()
-                break
+            await stop_on_signals(
+                signals, stop, nursery.cancel_scope.cancel, prog="epd_actors serve"
+            )

@@ -39,6 +39,7 @@ from ..core.kv_settings import KVEventsSettings
 from ..core.retry import RetryPolicy
 from ..core.tracing.config import TracingConfig
 from ..errors import ConfigError
+from ..frontends.cors import CorsPolicy
 from ..frontends.http_app import HttpSettings
 from ..frontends.ws import WsSettings
 from ..lora import LoraAdapter
@@ -68,6 +69,10 @@ class ServerConfig:
         metrics_listen: ``HOST:PORT`` where the parent of several router
             processes serves their metrics, each series labelled with its
             ``process``; None for none.
+        ssl_certfile: a PEM certificate chain: TLS on every listener (None: plain TCP).
+        ssl_keyfile: its PEM private key (None: in ``ssl_certfile``).
+        ws_on_http: the HTTP listener also serves the WebSocket API: a
+            ``GET`` of ``ws.path`` with ``Upgrade: websocket`` (true by default).
     """
 
     http_listen: str = "127.0.0.1:8000"
@@ -78,6 +83,9 @@ class ServerConfig:
     drain_notice_s: float = 0.0
     processes: int = 1
     metrics_listen: str | None = None
+    ws_on_http: bool = True
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +191,16 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
     drain_timeout_s = table.number("drain_timeout_s", defaults.drain_timeout_s, minimum=0.001)
     drain_notice_s = table.number("drain_notice_s", defaults.drain_notice_s, minimum=0.0)
     access_log = table.boolean("access_log", False)
+    ws_on_http = table.boolean("ws_on_http", defaults.ws_on_http)
+    ssl_certfile = table.string("ssl_certfile", None)
+    ssl_keyfile = table.string("ssl_keyfile", None)
+    if ssl_keyfile is not None and ssl_certfile is None:
+        raise ConfigError(f"{table.key('ssl_keyfile')}: needs ssl_certfile too")
     fields = _field_policy(table)
+    try:
+        cors = CorsPolicy(table.strings("allowed_origins"))
+    except ConfigError as exc:
+        raise ConfigError(f"{table.key('allowed_origins')}: {exc}") from None
     media = _media(table.table("media"))
     http = read_settings(
         table.table("http"),
@@ -193,6 +210,7 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
         access_log=access_log,
         media=media,
         fields=fields,
+        cors=cors,
     )
     ws = read_settings(table.table("ws"), WsSettings, api_keys=api_keys, media=media, fields=fields)
     table.done()
@@ -205,6 +223,9 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
         drain_notice_s,
         processes=processes,
         metrics_listen=metrics_listen,
+        ws_on_http=ws_on_http,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
     )
 
 

@@ -8,6 +8,11 @@ a backoff that doubles up to ``RESTART_BACKOFF_MAX_S``) when it exits while the
 deployment is up.  Leaving the context sends SIGTERM to every child (they drain
 and exit 0), waits up to ``stop_timeout_s``, then kills what is left.
 
+The children never outlive this process: each is started with
+``--exit-with-parent`` and a pipe as its stdin whose write end only this
+process holds.  When it dies, of anything (``kill -9`` included), the kernel
+closes that end, the child reads the end of its stdin, drains and exits.
+
 The children are ordinary worker processes, visible in ``ps`` and manageable
 like any other worker; their stderr is inherited so their logs reach the user.
 """
@@ -93,6 +98,13 @@ class LocalWorkers:
         self.workers = workers
         self.stopping = False
 
+    def kill(self) -> None:
+        """SIGKILL every running child at once (a forced stop; the supervisors reap them)."""
+        self.stopping = True
+        for worker in self.workers:
+            if worker.process is not None and worker.process.returncode is None:
+                worker.process.kill()
+
     def __getitem__(self, worker_id: str) -> WorkerProcess:
         for worker in self.workers:
             if worker.spec.worker_id == worker_id:
@@ -118,6 +130,7 @@ def worker_command(spec: WorkerSpec, listen: str) -> list[str]:
         spec.worker_id,
         "--listen",
         listen,
+        "--exit-with-parent",
         *spec.args,
     ]
 
@@ -175,6 +188,8 @@ async def _supervise(
             process = await trio.lowlevel.open_process(
                 worker_command(spec, listen),
                 stdout=subprocess.PIPE,
+                # Never written: its end tells the child that this process is gone.
+                stdin=subprocess.PIPE,
                 env=dict(env),
                 # Their own session: a terminal's Ctrl-C reaches the parent only,
                 # which then stops the children in order (SIGTERM, drain).
@@ -203,6 +218,9 @@ async def _supervise(
                     logger.warning("worker %s restarted (pid %d)", spec.worker_id, process.pid)
                 nursery.start_soon(_forward_output, reader, spec.worker_id)
             status = await process.wait()
+            assert process.stdin is not None
+            with trio.CancelScope(shield=True):  # instant; the exit must still be recorded
+                await process.stdin.aclose()
         worker.exits.append(status)
         if deployment.stopping or not restart:
             return

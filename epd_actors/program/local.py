@@ -15,7 +15,6 @@ import secrets
 import signal
 import sys
 import tempfile
-from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -27,6 +26,7 @@ from ..frontends.http_app import HttpSettings
 from .config_file import FileConfig, ServerConfig
 from .deployment import LocalWorkers, WorkerSpec, open_local_workers
 from .serve import ServingAddresses, serve_router
+from .signals import stop_on_signals
 from .worker import AUTH_TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -130,6 +130,7 @@ def banner(addresses: ServingAddresses, workers: LocalWorkers) -> str:
         "to route to real vLLM instead: write a config (see examples/epd.toml and",
         "docs/deployment.md) and run:  python -m epd_actors serve --config epd.toml",
         "Ctrl-C stops everything.",
+        "(It drains in-flight requests first; a second Ctrl-C stops at once.)",
     ]
     return "\n".join(lines)
 
@@ -146,12 +147,18 @@ async def serve_local(args: argparse.Namespace) -> None:
         async with open_local_workers(specs, env={AUTH_TOKEN_ENV: token}) as workers:
             config = local_config(args, workers, token)
             async with trio.open_nursery() as nursery:
-                addresses, _router = await nursery.start(partial(serve_router, config, stop=stop))
+
+                async def serve(task_status: trio.TaskStatus[object]) -> None:
+                    await serve_router(config, stop=stop, task_status=task_status)
+                    nursery.cancel_scope.cancel(reason="router stopped")  # stop watching signals
+
+                def force() -> None:
+                    workers.kill()
+                    nursery.cancel_scope.cancel(reason="stopped at once")
+
+                addresses, _router = await nursery.start(serve)
                 print(banner(addresses, workers), flush=True)
-                async for _ in signals:
-                    print("epd_actors: stopping (draining in-flight requests)...", flush=True)
-                    stop.set()
-                    break
+                await stop_on_signals(signals, stop, force)
     print("epd_actors: stopped.", file=sys.stderr)
 
 

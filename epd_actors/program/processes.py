@@ -504,4 +504,12 @@ def child_command(args: argparse.Namespace) -> list[str]:
         command += ["--ws-listen", args.ws_listen]
     if args.access_log:
         command.append("--access-log")
+    if getattr(args, "allowed_origins", None) is not None:
+        command += ["--allowed-origins", args.allowed_origins]
+    for option, value in (
+        ("--ssl-certfile", getattr(args, "ssl_certfile", None)),
+        ("--ssl-keyfile", getattr(args, "ssl_keyfile", None)),
+    ):
+        if value:
+            command += [option, os.path.abspath(value)]
     return command

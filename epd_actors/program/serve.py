@@ -36,15 +36,16 @@ from ..discovery import open_discovery
 from ..frontends.admin import RouterAdmin
 from ..frontends.http import serve_http
 from ..frontends.http_app import RouterHttpApp
-from ..frontends.ws import serve_ws
+from ..frontends.media_fetch import open_allowed_fetcher
+from ..frontends.ws import WsServer, serve_ws
 from ..frontends.ws_metrics import WsCollector
 from ..limits import ACCEPT_BURST
 from .config_file import FileConfig, parse_host_port
+from .tls import server_ssl_context, tls_listeners
 
 if TYPE_CHECKING:
+    import ssl
     from collections.abc import Sequence
-
-    from ..frontends.ws import WsServer
 
 logger = logging.getLogger(__name__)
 
@@ -129,22 +130,37 @@ class ServingAddresses:
 
     http: tuple[str, int]
     ws: tuple[str, int] | None
+    tls: bool = False
 
     @property
     def http_url(self) -> str:
         host, port = self.http
-        return f"http://{_url_host(host)}:{port}"
+        return f"{'https' if self.tls else 'http'}://{_url_host(host)}:{port}"
 
     @property
     def ws_url(self) -> str | None:
         if self.ws is None:
             return None
         host, port = self.ws
-        return f"ws://{_url_host(host)}:{port}/v1/ws"
+        return f"{'wss' if self.tls else 'ws'}://{_url_host(host)}:{port}/v1/ws"
 
 
 def _listener(sock: socket.socket) -> trio.SocketListener:
     return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+
+
+async def _ws_listeners(
+    host: str | None,
+    port: int,
+    sockets: Sequence[socket.socket] | None,
+    tls: ssl.SSLContext | None,
+) -> list[trio.SocketListener]:
+    if sockets is None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    else:
+        listeners = [_listener(sock) for sock in sockets]
+    # serve_ws only accepts from its listeners (trio.serve_listeners) and reads their sockets.
+    return cast("list[trio.SocketListener]", tls_listeners(listeners, tls))
 
 
 def _url_host(host: str) -> str:
@@ -172,13 +188,26 @@ async def serve_router(
     cancelled at once (workers are still told to abort, shielded and bounded).
     """
     server = config.server
+    tls = None
+    if server.ssl_certfile is not None:
+        tls = server_ssl_context(server.ssl_certfile, server.ssl_keyfile)
     async with (
         open_router(config.router, backend_factory=backend_factory) as router,
         open_discovery(router, config.discovery),
     ):
         app = RouterHttpApp(router)
         app.admin = RouterAdmin(router)
-        async with trio.open_nursery() as connections:
+        async with (
+            open_allowed_fetcher(server.ws.media) as ws_fetcher,
+            trio.open_nursery() as connections,
+        ):
+            # WebSocket upgrades on the HTTP port (the separate listener is an option too).
+            upgrades = (
+                WsServer(router, server.ws, fetcher=ws_fetcher) if server.ws_on_http else None
+            )
+            ws_servers: list[WsServer] = [] if upgrades is None else [upgrades]
+            ws_collector = WsCollector(ws_servers)
+            router.metrics.registry.register(ws_collector)
             async with trio.open_nursery() as acceptors:
                 host, port = parse_host_port(server.http_listen, key="server.http_listen")
                 if http_sockets is None:
@@ -186,7 +215,7 @@ async def serve_router(
                 else:
                     listeners = [_listener(sock) for sock in http_sockets]
                 # serve_http only accepts from its listeners (trio.serve_listeners).
-                bursting = [BurstListener(item) for item in listeners]
+                bursting = tls_listeners([BurstListener(item) for item in listeners], tls)
                 await acceptors.start(
                     partial(
                         serve_http,
@@ -194,6 +223,7 @@ async def serve_router(
                         cast("list[trio.SocketListener]", bursting),
                         settings=server.http,
                         handler_nursery=connections,
+                        websocket=upgrades,
                     )
                 )
                 http_address = (host, listeners[0].socket.getsockname()[1])
@@ -212,14 +242,13 @@ async def serve_router(
                             ws_port,
                             settings=ws_settings,
                             handler_nursery=connections,
-                            listeners=None
-                            if ws_sockets is None
-                            else [_listener(sock) for sock in ws_sockets],
+                            listeners=await _ws_listeners(ws_host, ws_port, ws_sockets, tls),
                         )
                     )
                     ws_address = (ws_host, ws_server.port)
-                    router.metrics.registry.register(WsCollector(ws_server))
-                task_status.started((ServingAddresses(http_address, ws_address), router))
+                    ws_servers.append(ws_server)
+                addresses = ServingAddresses(http_address, ws_address, tls=tls is not None)
+                task_status.started((addresses, router))
                 await stop.wait()
                 app.draining = True
                 if server.drain_notice_s > 0:

@@ -94,6 +94,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "native protocol, for the openai_http backend; sim engine only, no auth (testing)",
     )
     parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="drain and exit when stdin reaches its end: started by a parent that holds the "
+        "pipe's other end (python -m epd_actors local does), it never outlives that parent",
+    )
+    parser.add_argument(
         "--metrics-listen",
         default=None,
         metavar="tcp://HOST:PORT",
@@ -220,6 +226,7 @@ async def _serve_vllm_worker(
             args.listen,
             metrics_listen=args.metrics_listen,
             registration=registration,
+            exit_with_parent=args.exit_with_parent,
         )
 
 
@@ -229,6 +236,7 @@ async def serve_worker_process(
     *,
     metrics_listen: str | None = None,
     registration: RegistrationSettings | None = None,
+    exit_with_parent: bool = False,
 ) -> None:
     """Bind, announce the address, serve; SIGTERM/SIGINT start a drain.
 
@@ -237,6 +245,11 @@ async def serve_worker_process(
     With ``registration``, the worker keeps its registration in Redis from the
     moment it accepts until it stops (draining while it drains;
     :mod:`.worker_registration`).
+
+    With ``exit_with_parent``, the end of stdin starts a drain too: the parent
+    that started this process holds the pipe's write end, and the kernel
+    closes it when that parent dies, even of ``kill -9`` (``PR_SET_PDEATHSIG``
+    would follow the thread that started the child, which Trio does not fix).
 
     Returns once the drain finished (the metrics endpoint stops with it).
     Cancellation: cancelling this coroutine stops the worker at once (jobs are
@@ -279,6 +292,30 @@ async def serve_worker_process(
                 )
                 await nursery.start(registrar.run)
             nursery.start_soon(_drain_on_signal, server, signals, registrar)
+            if exit_with_parent:
+                nursery.start_soon(
+                    _drain_when_stdin_ends, server, trio.lowlevel.FdStream(os.dup(0)), registrar
+                )
+
+
+async def _drain_when_stdin_ends(
+    server: WorkerServer, stdin: trio.abc.ReceiveStream, registrar: Registrar | None
+) -> None:
+    """Begin a drain when ``stdin`` ends (whatever arrives before is ignored).
+
+    Cancellation: returns when cancelled (the worker stopped by itself); the
+    stream is closed either way.
+    """
+    async with stdin:
+        try:
+            while await stdin.receive_some(512):
+                pass
+        except (trio.BrokenResourceError, OSError):
+            pass
+    logger.warning("worker %s: the parent process is gone; draining", server.config.worker_id)
+    server.begin_drain("the parent process is gone")
+    if registrar is not None:
+        registrar.wake()
 
 
 async def _serve_until_drained(
@@ -314,6 +351,7 @@ def _run_sim_worker(args: argparse.Namespace) -> None:
                 args.listen,
                 metrics_listen=args.metrics_listen,
                 registration=registration,
+                exit_with_parent=args.exit_with_parent,
             )
         )
 

@@ -34,7 +34,7 @@ async def test_connections_and_stream_outcomes_are_counted() -> None:
     registry = CollectorRegistry()
     with trio.fail_after(GUARD_S):
         async with serving(WsSettings(max_generations=2)) as served:
-            registry.register(WsCollector(served.server))
+            registry.register(WsCollector([served.server]))
             before = scrape(registry)
             async with open_websocket_url(served.url) as ws:
                 await send(ws, generate("done", 2))

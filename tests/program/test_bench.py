@@ -32,8 +32,10 @@ from epd_actors.bench import (
     summarize,
     synthetic_png,
 )
+from epd_actors.bench.cli import exit_status
 from epd_actors.bench.client import _StreamScan
 from epd_actors.bench.payload import BodyMaker, build_body
+from epd_actors.bench.stats import parse_percentiles, parse_slos, parse_timings
 from epd_actors.core.router import open_router
 from epd_actors.frontends.http import HttpSettings, RouterHttpApp, serve_http
 from epd_actors.simulator.engine import SimConfig
@@ -109,6 +111,7 @@ def test_summary_of_only_failures_is_json_without_nan() -> None:
         "p90": None,
         "p99": None,
         "max": None,
+        "quantiles": {"p50": None, "p90": None, "p99": None},
     }
     json.dumps(document, allow_nan=False)
     assert "-" in format_summary(summary)
@@ -295,8 +298,130 @@ def test_the_per_token_cost_benchmark_times_every_step() -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) == 6
-    for line in lines:
+    assert len(lines) == 8
+    timed = [line for line in lines if " µs" in line]
+    assert len(timed) == 7  # every step, and one line of call counts
+    for line in timed:
         micros = float(line.split(" µs")[0].split()[-1])
         assert micros > 0, line
     assert "(74-byte frame)" in lines[0]
+    assert any("Python calls" in line for line in lines)
+
+
+# ---------------------------------------------------------------- operator options
+
+
+def test_input_and_total_token_throughput() -> None:
+    records = [_record(0.0, 0.01, 0.11, 10), _record(0.0, 0.01, 0.11, 6)]
+    records[0].input_tokens, records[1].input_tokens = 30, 14
+    summary = summarize(records, duration_s=2.0, client_cpu_s=0.0)
+    assert summary.input_tokens == 44
+    assert summary.input_token_rate == pytest.approx(22.0)
+    assert summary.total_token_rate == pytest.approx(30.0)  # (44 + 16) / 2
+    assert "input 22 tokens/s (44 tokens), total 30 tokens/s" in format_summary(summary)
+
+
+def test_goodput_counts_requests_that_meet_every_objective() -> None:
+    fast = _record(0.0, 0.05, 0.15, 11, gaps=[0.01])  # tpot 10 ms
+    slow_first = _record(0.0, 0.3, 0.4, 11, gaps=[0.01])  # ttft 300 ms
+    slow_tokens = _record(0.0, 0.05, 1.05, 11, gaps=[0.1])  # tpot 100 ms
+    failed = _record(0.0, 0.01, 0.02, 0, error="HTTP 503: busy")
+    slos = parse_slos(["ttft:200", "tpot:50"])
+    assert slos == {"ttft": pytest.approx(0.2), "tpot": pytest.approx(0.05)}
+    records = [fast, slow_first, slow_tokens, failed]
+    summary = summarize(records, duration_s=2.0, client_cpu_s=0.0, slos=slos)
+    assert summary.good == 1
+    assert summary.goodput == pytest.approx(0.5)
+    assert "goodput 0.5 req/s (1/4 requests, 25%, met ttft<=200ms tpot<=50ms)" in format_summary(
+        summary
+    )
+    only_e2e = summarize(records, duration_s=2.0, client_cpu_s=0.0, slos=parse_slos(["e2e:500"]))
+    assert only_e2e.good == 2
+    assert math.isnan(summarize(records, duration_s=2.0, client_cpu_s=0.0).goodput)
+
+
+@pytest.mark.parametrize("item", ["ttft", "ttft:", "ttft:-1", "ttft:nan", "itl:5", "ttft:x"])
+def test_bad_objectives(item: str) -> None:
+    with pytest.raises(ValueError, match="--goodput"):
+        parse_slos([item])
+
+
+def test_chosen_percentiles() -> None:
+    assert parse_percentiles("50, 99.9") == (50.0, 99.9)
+    for bad in ("", "101", "x,1"):
+        with pytest.raises(ValueError, match="--percentiles"):
+            parse_percentiles(bad)
+    records = [_record(0.0, t / 1000, 0.2, 2) for t in range(1, 101)]
+    summary = summarize(records, duration_s=1.0, client_cpu_s=0.0, percentiles=(50.0, 99.9))
+    assert set(summary.ttft.quantiles) == {"p50", "p99.9"}
+    assert summary.ttft.quantiles["p99.9"] == pytest.approx(
+        percentile([r.ttft or 0 for r in records], 99.9)
+    )
+    assert summary.ttft.p99 == pytest.approx(0.09901)  # the fixed three stay
+    header = format_summary(summary).splitlines()[3]
+    assert header.split() == ["latency", "(ms)", "mean", "p50", "p99.9", "max"]
+
+
+def test_stage_breakdown_from_the_timings() -> None:
+    assert parse_timings(
+        "encode=10.5;prefill=3;decode=40;queue=0.5;ttft=14;worker.decode=d0;x="
+    ) == {
+        "encode": pytest.approx(0.0105),
+        "prefill": pytest.approx(0.003),
+        "decode": pytest.approx(0.04),
+        "queue": pytest.approx(0.0005),
+        "ttft": pytest.approx(0.014),
+    }
+    records = [_record(0.0, 0.01, 0.1, 2), _record(0.0, 0.01, 0.1, 2), _record(0.0, 0.01, 0.1, 2)]
+    records[0].stages = {"prefill": 0.002, "decode": 0.05}
+    records[1].stages = {"prefill": 0.004}
+    summary = summarize(records, duration_s=1.0, client_cpu_s=0.0)
+    assert summary.stages["prefill"].count == 2
+    assert summary.stages["prefill"].mean == pytest.approx(0.003)
+    assert summary.stages["decode"].count == 1
+    assert "stage prefill" in format_summary(summary)
+    assert json.loads(json.dumps(summary.to_json()))["stages"]["decode"]["count"] == 1
+
+
+def test_stream_scan_reads_the_timings_comment_and_the_prompt_tokens() -> None:
+    record = RequestRecord(start=0.0)
+    scan = _StreamScan(record, t0=0.0)
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
+    scan.feed(usage + b": timings prefill=2.0;decode=8.0;worker.decode=d0\n\ndata: [DONE]\n\n", 1.0)
+    assert scan.done
+    assert (record.input_tokens, record.output_tokens) == (3, 1)
+    assert record.stages == {"prefill": pytest.approx(0.002), "decode": pytest.approx(0.008)}
+
+
+def test_the_exit_status_by_failure_ratio() -> None:
+    ok, failed = _record(0.0, 0.01, 0.1, 2), _record(0.0, 0.0, 0.1, 0, error="HTTP 500: x")
+    quarter = summarize([ok, ok, ok, failed], duration_s=1.0, client_cpu_s=0.0)
+    assert quarter.failure_ratio == pytest.approx(0.25)
+    assert exit_status(quarter, None) == 0
+    assert exit_status(quarter, 0.25) == 0
+    assert exit_status(quarter, 0.2) == 1
+    none_ok = summarize([failed], duration_s=1.0, client_cpu_s=0.0)
+    assert exit_status(none_ok, 1.0) == 1
+
+
+async def test_the_options_against_an_in_process_router(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    async with served_router() as url:
+        argv = [sys.executable, "-m", "epd_actors", "bench", "--url", url, "--api-key", KEY]
+        argv += ["--concurrency", "2", "--requests", "6", "--max-tokens", "4", "--no-progress"]
+        argv += ["--goodput", "ttft:60000", "e2e:60000", "--percentiles", "50,99.9"]
+        argv += ["--max-failure-ratio", "0", "--json", str(out)]
+        with trio.fail_after(30):
+            done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True)
+            summary = json.loads(out.read_text())["summary"]
+            wrong = [*argv[:7], "nope", *argv[8:]]  # the API key
+            refused = await trio.run_process(
+                wrong, capture_stdout=True, capture_stderr=True, check=False
+            )
+    assert done.returncode == 0, done.stderr.decode()
+    assert summary["good"] == 6
+    assert summary["input_tokens"] > 0
+    assert set(summary["ttft"]["quantiles"]) == {"p50", "p99.9"}
+    assert {"prefill", "decode", "ttft"} <= set(summary["stages"])
+    assert b"stage decode" in done.stdout
+    assert refused.returncode == 1  # every request refused (401)

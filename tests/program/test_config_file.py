@@ -158,8 +158,9 @@ def test_every_settable_key_is_documented() -> None:
     from epd_actors.openai.media import MediaLimits
 
     docs = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
-    # set from elsewhere: keys, media tables, and `fields` from `[server] unknown_fields`
-    internal = {"api_keys", "admin_keys", "media", "policy", "access_log", "fields"}
+    # set from elsewhere: keys, media tables, `fields` from `[server] unknown_fields`,
+    # `cors` from `[server] allowed_origins`
+    internal = {"api_keys", "admin_keys", "media", "policy", "access_log", "fields", "cors"}
     assert "`api_key` /" in docs
     from epd_actors.backends.native.settings import NativeSettings
     from epd_actors.backends.openai_http.settings import OpenAIHttpSettings

@@ -14,8 +14,8 @@ from typing import Literal
 
 from ...errors import ConfigError
 
-Action = Literal["add", "drain", "remove"]
-ACTIONS: tuple[Action, ...] = ("add", "drain", "remove")
+Action = Literal["add", "drain", "resume", "remove"]
+ACTIONS: tuple[Action, ...] = ("add", "drain", "resume", "remove")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +23,7 @@ class WorkerChange:
     """One operator change of a worker.
 
     Attributes:
-        action: ``add``, ``drain`` or ``remove``.
+        action: ``add``, ``drain``, ``resume`` (undo a drain) or ``remove``.
         worker_id: the worker (replicas name workers alike).
         stage, model, address, backend: what ``add`` needs (empty otherwise;
             ``model`` empty: the router's default model).

@@ -91,6 +91,10 @@ class Router(Protocol):
         """Send a worker no new work."""
         ...
 
+    def resume_worker(self, worker_id: str, *, origin: str | None = None) -> None:
+        """Send a drained worker new work again."""
+        ...
+
     def remove_worker(self, worker_id: str, *, origin: str | None = None) -> None:
         """Take a worker out of its pool."""
         ...
@@ -110,6 +114,10 @@ async def _apply_drain(router: Router, change: WorkerChange) -> None:
     router.drain_worker(change.worker_id, origin=change.origin)
 
 
+async def _apply_resume(router: Router, change: WorkerChange) -> None:
+    router.resume_worker(change.worker_id, origin=change.origin)
+
+
 async def _apply_remove(router: Router, change: WorkerChange) -> None:
     router.remove_worker(change.worker_id, origin=change.origin)
 
@@ -117,6 +125,7 @@ async def _apply_remove(router: Router, change: WorkerChange) -> None:
 APPLY: dict[str, Callable[[Router, WorkerChange], Coroutine[Any, Any, None]]] = {
     "add": _apply_add,
     "drain": _apply_drain,
+    "resume": _apply_resume,
     "remove": _apply_remove,
 }
 """How a replica applies another replica's change, by action."""
@@ -298,7 +307,9 @@ class FleetSync:
             logger.info(
                 "shared state: worker %s %s by router %s",
                 change.worker_id,
-                {"add": "added", "drain": "drained", "remove": "removed"}[change.action],
+                {"add": "added", "drain": "drained", "resume": "resumed", "remove": "removed"}[
+                    change.action
+                ],
                 change.origin.partition("#")[0],
             )
 
