@@ -190,7 +190,13 @@ class Fleet:
         """Start ``worker`` and wait until it listens."""
         argv = worker_command(worker.spec, worker.address)
         process = await trio.lowlevel.open_process(
-            argv, stdout=subprocess.PIPE, stderr=self.log, env=self.env, start_new_session=True
+            argv,
+            stdout=subprocess.PIPE,
+            # Never written: the worker drains once this end closes (--exit-with-parent).
+            stdin=subprocess.PIPE,
+            stderr=self.log,
+            env=self.env,
+            start_new_session=True,
         )
         assert process.stdout is not None
         with trio.fail_after(STARTUP_TIMEOUT_S):
