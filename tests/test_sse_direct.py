@@ -20,6 +20,7 @@ from epd_actors.frontends.sse_direct import DirectSseWriter
 from epd_actors.http.body import body_framer
 from epd_actors.openai.format import SseFormatter
 from epd_actors.request import DeltaEvent, GenerationEvent
+from epd_actors.transport.nowait import NowaitWriter
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -42,7 +43,9 @@ def streaming_response() -> h11.Connection:
 def writer_on(stream: trio.abc.Stream, exchange: Sent | None = None) -> DirectSseWriter:
     formatter = SseFormatter("completion", request_id="r", model="m", created=0)
     frame = body_framer(streaming_response())
-    return DirectSseWriter(frame, stream, formatter, logprobs=False, exchange=exchange)
+    return DirectSseWriter(
+        frame, NowaitWriter(stream), formatter, logprobs=False, exchange=exchange
+    )
 
 
 Pair = tuple[trio.SocketStream, trio.SocketStream]

@@ -62,7 +62,7 @@ from ..openai.format import AnswerBuilder, SseFormatter, error_body, unix_time
 from ..openai.schema import ParsedRequest, parse_chat_completion, parse_completion
 from ..openai.sse import render_batch
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
-from ..transport.framed import send_some_nowait
+from ..transport.nowait import NowaitWriter
 from .event_batches import next_batch
 from .media_fetch import resolve_media
 from .sse_direct import DirectSseWriter
@@ -154,6 +154,7 @@ class HttpConnection:
         fetcher: MediaFetcher | None = None,
     ) -> None:
         self.stream = stream
+        self.writer = NowaitWriter(stream)  # every response byte goes through it
         self.app = app
         self.settings = settings
         self._authorized = authorized
@@ -501,7 +502,7 @@ class HttpConnection:
         # by the task that produced them (see sse_direct).
         frame = body_framer(self.h11)
         direct = DirectSseWriter(
-            frame, self.stream, formatter, logprobs=parsed.logprobs, exchange=self.exchange
+            frame, self.writer, formatter, logprobs=parsed.logprobs, exchange=self.exchange
         )
         async with self.app.generate(parsed.request, direct=direct) as events:
             batch = await next_batch(events)
@@ -620,7 +621,7 @@ class HttpConnection:
         if self.exchange is not None:
             self.exchange.sent += len(data)
         try:
-            written = send_some_nowait(self.stream, data)
+            written = self.writer.send_some_nowait(data)
         except trio.BrokenResourceError:
             self.close_after = True
             raise ClientGone("the client stopped reading") from None
@@ -628,7 +629,7 @@ class HttpConnection:
             return
         with trio.move_on_after(self.settings.write_timeout_s):
             try:
-                await self.stream.send_all(data[written:])
+                await self.writer.send_all(data[written:])
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.close_after = True
                 raise ClientGone("the client stopped reading") from None

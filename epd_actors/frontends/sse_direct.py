@@ -9,7 +9,7 @@ is one wake-up of the connection's task per token.  A :class:`DirectSseWriter`
 is the response's :data:`~epd_actors.request.DirectDeltas`: while the
 connection's task waits on an empty event channel (``idle``), the router's
 task that produced a delta renders it and offers it to the socket without
-waiting (:func:`~epd_actors.transport.framed.send_some_nowait`), so the connection's
+waiting (:meth:`~epd_actors.transport.nowait.NowaitWriter.send_some_nowait`), so the connection's
 task sleeps through the whole stream and wakes for its end.
 
 Order and ownership: the writer takes a delta only while ``idle``, which the
@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from ..openai.sse import worth_a_chunk
-from ..transport.framed import send_some_nowait
 from .event_batches import next_batch
 
 if TYPE_CHECKING:
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
 
     from ..openai.format import SseFormatter
     from ..request import DeltaEvent, GenerationEvent
+    from ..transport.nowait import NowaitWriter
 
 
 class SentCounter(Protocol):
@@ -53,7 +53,7 @@ class DirectSseWriter:
 
     Args:
         frame: frames a piece of the response's body (:func:`~.http_body.body_framer`).
-        stream: the client's stream.
+        writer: the client's stream's writer.
         formatter: renders one delta as SSE text.
         logprobs: the request asked for log-probabilities (a delta without
             text is rendered when it has tokens).
@@ -65,7 +65,7 @@ class DirectSseWriter:
         "_formatter",
         "_frame",
         "_logprobs",
-        "_stream",
+        "_writer",
         "backlog",
         "failed",
         "idle",
@@ -75,14 +75,14 @@ class DirectSseWriter:
     def __init__(
         self,
         frame: Callable[[bytes], bytes],
-        stream: trio.abc.Stream,
+        writer: NowaitWriter,
         formatter: SseFormatter,
         *,
         logprobs: bool,
         exchange: SentCounter | None,
     ) -> None:
         self._frame = frame
-        self._stream = stream
+        self._writer = writer
         self._formatter = formatter
         self._logprobs = logprobs
         self._exchange = exchange
@@ -104,7 +104,10 @@ class DirectSseWriter:
         text = self._formatter.event(event)
         data = self._frame(text.encode("utf-8", "replace"))
         try:
-            written = send_some_nowait(self._stream, data)
+            written = self._writer.send_some_nowait(data)
+        except trio.BusyResourceError:  # never while the connection's task waits
+            self.idle = False
+            return False
         except trio.BrokenResourceError:
             self.failed = True
             self.idle = False
