@@ -75,6 +75,7 @@ from ..errors import (
     RequestCancelled,
     StageTimeout,
 )
+from ..handoff import HandoffReceiver, HandoffSender, open_handoff
 from ..limits import REQUEST_EVENT_BUFFER
 from ..protocol import Delta, Usage
 from ..request import (
@@ -97,7 +98,6 @@ from .retry import RetryPolicy
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping
 
-    from ..request import DirectDeltas
     from .actors.jobs import Compensation, Job, StageEvent
     from .encoder_cache import EncoderCache
     from .models import ModelRoute
@@ -145,7 +145,6 @@ class _RequestRecord:
     usage: Usage | None = None
     compensations: list[Compensation] = field(default_factory=list)
     error: EpdError | None = None
-    direct: DirectDeltas | None = None  # the caller's offer to take deltas itself
     handoff: _Handoff | None = None  # the stage output the context's KV params came from
     refused: list[str] = field(default_factory=list)  # workers whose hand-off was refused
     refusal: HandoffRejected | None = None  # the latest refusal, while its stage runs again
@@ -387,13 +386,14 @@ class Supervisor:
 
     @asynccontextmanager
     async def generate(
-        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
-    ) -> AsyncIterator[trio.MemoryReceiveChannel[GenerationEvent]]:
+        self, request: GenerationRequest
+    ) -> AsyncIterator[HandoffReceiver[GenerationEvent]]:
         """Run ``request``; yield the channel its events arrive on.
 
         The last event is always a ``DoneEvent`` or an ``ErrorEvent``.
-        ``direct``: the caller takes deltas as they are produced, when it can
-        (see :data:`~epd_actors.request.DirectDeltas`); the rest come on the channel.
+        The caller may attach a taker to the channel (:meth:`HandoffReceiver.attach
+        <epd_actors.handoff.HandoffReceiver.attach>`): deltas are then handed to it,
+        in the task that produced them, while the caller waits with nothing queued.
 
         Cancellation: leaving the block early cancels the request; its workers
         are told to abort and compensations run (shielded, bounded).
@@ -401,7 +401,7 @@ class Supervisor:
         are unread.  Admission: past ``max_requests_in_flight`` the only event
         is an ``ErrorEvent`` carrying ``Overloaded`` (nothing is queued).
         """
-        send, receive = trio.open_memory_channel[GenerationEvent](REQUEST_EVENT_BUFFER)
+        send, receive = open_handoff[GenerationEvent](REQUEST_EVENT_BUFFER)
         refusal = self._admission_refusal(request)
         if refusal is not None:
             send.send_nowait(refusal)
@@ -417,7 +417,7 @@ class Supervisor:
             with single_exception():
                 async with trio.open_nursery() as nursery:
                     name = f"request:{request.request_id}"
-                    nursery.start_soon(self._run_request, request, send, direct, name=name)
+                    nursery.start_soon(self._run_request, request, send, name=name)
                     try:
                         with receive:
                             yield receive
@@ -452,10 +452,9 @@ class Supervisor:
     async def _run_request(
         self,
         request: GenerationRequest,
-        events: trio.MemorySendChannel[GenerationEvent],
-        direct: DirectDeltas | None,
+        events: HandoffSender[GenerationEvent],
     ) -> None:
-        record = _RequestRecord(request, trio.current_time(), direct=direct)
+        record = _RequestRecord(request, trio.current_time())
         if self.tracing is not None:
             record.trace = self.tracing.start(request, record)
         completed = False
@@ -503,7 +502,7 @@ class Supervisor:
                 logger.exception("request trace failed on %s", record.request.request_id)
 
     async def _outcome(
-        self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
+        self, record: _RequestRecord, events: HandoffSender[GenerationEvent]
     ) -> DoneEvent | ErrorEvent:
         request = record.request
         timeout = request.timeout_s
@@ -538,7 +537,7 @@ class Supervisor:
             self._expirable.discard(expiry)
 
     async def _pipeline(
-        self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
+        self, record: _RequestRecord, events: HandoffSender[GenerationEvent]
     ) -> DoneEvent:
         route = self.route(record.request)
         plan = [actor for actor in self._plans[route.model] if actor.applies_to(record.request)]
@@ -619,7 +618,7 @@ class Supervisor:
         earlier: list[BaseActor],
         context: StageContext,
         record: _RequestRecord,
-        events: trio.MemorySendChannel[GenerationEvent],
+        events: HandoffSender[GenerationEvent],
         error: EpdError,
     ) -> bool:
         """Run again the items of earlier stages whose remembered results ``error`` found gone.
@@ -659,7 +658,7 @@ class Supervisor:
         actor: BaseActor,
         context: StageContext,
         record: _RequestRecord,
-        events: trio.MemorySendChannel[GenerationEvent],
+        events: HandoffSender[GenerationEvent],
         items: list[int | None] | None = None,
     ) -> None:
         started = trio.current_time()
@@ -704,13 +703,11 @@ class Supervisor:
         context: StageContext,
         item: int | None,
         record: _RequestRecord,
-        events: trio.MemorySendChannel[GenerationEvent],
+        events: HandoffSender[GenerationEvent],
         workers: list[str],
         waits: list[float],
     ) -> None:
-        relay = OutputRelay(
-            events, record, self.deadlines.inter_token_timeout_s, direct=record.direct
-        )
+        relay = OutputRelay(events, record, self.deadlines.inter_token_timeout_s)
         output = relay if actor.produces_output else None
         avoid = tuple(record.refused) if record.refusal is not None else ()
         submitted = actor.submit(

@@ -504,7 +504,7 @@ class HttpConnection:
         direct = DirectSseWriter(
             frame, self.writer, formatter, logprobs=parsed.logprobs, exchange=self.exchange
         )
-        async with self.app.generate(parsed.request, direct=direct) as events:
+        async with self.app.generate(parsed.request) as events:
             batch = await next_batch(events)
             if batch and isinstance(batch[0], ErrorEvent):
                 self._note_served(batch[0])
@@ -524,6 +524,7 @@ class HttpConnection:
                     await self._write(data)
                 if final is not None:
                     break
+                events.attach(direct)  # the head is out: deltas may be written directly
                 text = ""
                 while True:
                     batch = await direct.next_batch(events)

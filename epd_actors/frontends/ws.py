@@ -87,6 +87,7 @@ if TYPE_CHECKING:
 
     from trio_websocket import WebSocketConnection, WebSocketRequest
 
+    from ..handoff import HandoffReceiver
     from ..openai.schema import ParsedRequest
     from ..request import GenerationEvent, GenerationRequest
     from .media_fetch import MediaFetcher
@@ -104,7 +105,7 @@ class WsApp(Protocol):
 
     def generate(
         self, request: GenerationRequest
-    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]: ...
+    ) -> AbstractAsyncContextManager[HandoffReceiver[GenerationEvent]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -669,7 +670,7 @@ class WsConnection:
     async def _stream(
         self,
         client_id: str,
-        events: trio.MemoryReceiveChannel[GenerationEvent],
+        events: HandoffReceiver[GenerationEvent],
         outgoing: trio.MemorySendChannel[str],
         *,
         logprobs: bool,
@@ -705,7 +706,7 @@ class WsConnection:
 
 
 def _drain(
-    first: DeltaEvent, events: trio.MemoryReceiveChannel[GenerationEvent]
+    first: DeltaEvent, events: HandoffReceiver[GenerationEvent]
 ) -> tuple[list[DeltaEvent], DoneEvent | ErrorEvent | None]:
     """``first`` plus every delta already queued behind it, and a final event if one came."""
     deltas = [first]

@@ -165,6 +165,10 @@ class MemoryNowaitStream(NowaitSendStream):
         self._wrote_eof = False
         self._closed = False
 
+    def unread(self) -> bytes:
+        """What the peer sent that was not received yet (a test looks without waiting)."""
+        return bytes(self._incoming)
+
     def set_room(self, room: int) -> None:
         """Change the send buffer's size (a client that reads faster or slower)."""
         self.room = room
