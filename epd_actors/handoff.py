@@ -90,6 +90,16 @@ class HandoffSender(Generic[T]):
     def __init__(self, shared: _Shared[T]) -> None:
         self._shared = shared
 
+    @property
+    def direct(self) -> bool:
+        """The receiver waits with nothing queued: the next item goes to its taker."""
+        return self._shared.direct
+
+    @property
+    def queued(self) -> int:
+        """How many items are queued, not yet received."""
+        return self._shared.receive.statistics().current_buffer_used
+
     def send_nowait(self, item: T) -> None:
         """Hand ``item`` to the taker if the receiver waits on nothing, else queue it.
 

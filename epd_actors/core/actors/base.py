@@ -54,10 +54,10 @@ from ..tracing import attempt_span
 from .jobs import Job, StageContext, StageEvent, StageFailure
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator
 
     from ...backends.base import StageBackend
-    from ...protocol import Delta, GenerateRequest
+    from ...protocol import GenerateRequest
     from ...request import GenerationRequest
     from ..config import Deadlines
     from ..encoder_cache import EncoderCache
@@ -236,9 +236,9 @@ class BaseActor:
         supervisor does: they reach the caller without waking the requester),
         else on ``job.reply``; the final delta always goes on ``job.reply``.  A
         burst of deltas that already arrived is passed on without a scheduling
-        round per delta, when the stream offers ``receive_nowait``; a stream
-        that offers ``set_sink`` (the native one does) hands the deltas to
-        ``job.output`` itself, as they arrive, without waking this task.
+        round per delta (``receive_nowait``), and the stream hands deltas to
+        ``job.output`` itself (``set_sink``), as they arrive in its producer's
+        task, without waking this task while it waits with nothing queued.
 
         Backpressure: waits while the requester's buffer (the reply channel,
         or the caller's event channel behind ``job.output``) is full.
@@ -247,12 +247,8 @@ class BaseActor:
         """
         reply, output = job.reply, job.output
         async with backend.open_stream(request) as stream:
-            receive_nowait: Callable[[], Delta] | None = getattr(stream, "receive_nowait", None)
-            set_sink: Callable[[Callable[[Delta], bool]], None] | None = getattr(
-                stream, "set_sink", None
-            )
-            if output is not None and set_sink is not None:
-                set_sink(output.sink)
+            if output is not None:
+                stream.set_sink(output.sink)
             while True:
                 try:
                     delta = await stream.receive()
@@ -279,10 +275,8 @@ class BaseActor:
                         return
                     if not job.output_started:
                         job.output_began()
-                    if receive_nowait is None:
-                        break
                     try:
-                        delta = receive_nowait()
+                        delta = stream.receive_nowait()
                     except trio.WouldBlock:
                         break
                     except trio.EndOfChannel:
