@@ -675,7 +675,25 @@ class WsConnection:
         *,
         logprobs: bool,
     ) -> DoneEvent | ErrorEvent | None:
-        """Forward deltas (merging those already queued); return the final event."""
+        """Forward deltas (merging those already queued); return the final event.
+
+        While this task waits on an empty event channel, the task that produced
+        a delta queues its message itself (the channel's taker, see
+        :mod:`~epd_actors.handoff`), when the outgoing queue has room for it.
+        """
+
+        def take(event: GenerationEvent) -> bool:
+            if type(event) is not DeltaEvent:
+                return False  # usage, done and error events come to this task
+            stats = outgoing.statistics()
+            messages = delta_messages(client_id, [event], logprobs=logprobs)
+            if stats.current_buffer_used + len(messages) > stats.max_buffer_size:
+                return False
+            for text in messages:
+                outgoing.send_nowait(text)
+            return True
+
+        events.attach(take)
         async for event in events:
             if isinstance(event, DoneEvent | ErrorEvent):
                 return event
