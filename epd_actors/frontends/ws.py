@@ -173,6 +173,8 @@ class WsConnectionStatistics:
         messages_received / messages_sent: frames each way.
         deltas_merged: router deltas that went out merged into another's message.
         outgoing_buffered / outgoing_peak: the writer channel now, and its peak.
+        deltas_direct: router deltas queued for the socket by the task that
+            produced them, while their generation's task waited.
     """
 
     generations: int
@@ -181,6 +183,7 @@ class WsConnectionStatistics:
     deltas_merged: int
     outgoing_buffered: int
     outgoing_peak: int
+    deltas_direct: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,6 +504,7 @@ class WsConnection:
         self.messages_received = 0
         self.messages_sent = 0
         self.deltas_merged = 0
+        self.deltas_direct = 0
 
     def __repr__(self) -> str:
         return f"<WsConnection #{self.number} peer={self._peer} live={len(self._live)}>"
@@ -512,6 +516,7 @@ class WsConnection:
             messages_received=self.messages_received,
             messages_sent=self.messages_sent,
             deltas_merged=self.deltas_merged,
+            deltas_direct=self.deltas_direct,
             outgoing_buffered=channel.current_buffer_used if channel else 0,
             outgoing_peak=channel.peak_buffer_used if channel else 0,
         )
@@ -691,6 +696,7 @@ class WsConnection:
                 return False
             for text in messages:
                 outgoing.send_nowait(text)
+            self.deltas_direct += 1
             return True
 
         events.attach(take)
