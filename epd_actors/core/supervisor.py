@@ -811,6 +811,9 @@ class Supervisor:
             return True
         if isinstance(event, StageOutput):
             context.absorb(event)
+            if event.finish_reason is not None:  # an output stage's end
+                record.finish_reason = event.finish_reason
+                record.usage = event.usage
             return True
         assert isinstance(event, StageFailure)
         raise event.error

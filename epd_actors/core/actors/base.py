@@ -51,7 +51,7 @@ from ..health import is_backpressure
 from ..retry import RetryPolicy, counts_against_worker
 from ..routing import RouteKey, affinity_for_prompt
 from ..tracing import attempt_span
-from .jobs import Job, StageContext, StageEvent, StageFailure
+from .jobs import Job, StageContext, StageEvent, StageFailure, StageOutput
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -232,9 +232,10 @@ class BaseActor:
     ) -> None:
         """Relay a generate request's deltas to the job's requester.
 
-        Non-final deltas go to ``job.output`` when the requester gave one (the
-        supervisor does: they reach the caller without waking the requester),
-        else on ``job.reply``; the final delta always goes on ``job.reply``.  A
+        With ``job.output`` (the supervisor gives one) every delta's content goes
+        there -- it reaches the caller without waking the requester -- and the
+        reply carries control only: a ``StageOutput`` with the finish reason and
+        usage after the last delta.  Without one, the deltas go on ``job.reply``.  A
         burst of deltas that already arrived is passed on without a scheduling
         round per delta (``receive_nowait``), and the stream hands deltas to
         ``job.output`` itself (``set_sink``), as they arrive in its producer's
@@ -259,9 +260,17 @@ class BaseActor:
                     job.output_started |= output is not None and output.relayed
                 while True:
                     try:
-                        if output is not None and delta.finish_reason is None:
+                        if output is not None:
                             if not output.offer(delta):
                                 await output.put(delta)
+                            if delta.finish_reason is not None:
+                                end = StageOutput(
+                                    finish_reason=delta.finish_reason, usage=delta.usage
+                                )
+                                try:
+                                    reply.send_nowait(end)
+                                except trio.WouldBlock:
+                                    await reply.send(end)
                         else:
                             try:
                                 reply.send_nowait(delta)
