@@ -7,7 +7,6 @@ ends translate to and from them.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -190,16 +189,3 @@ class ErrorEvent:
 
 
 GenerationEvent = DeltaEvent | UsageEvent | DoneEvent | ErrorEvent
-
-DirectDeltas = Callable[[DeltaEvent], bool]
-"""A caller's offer to take its request's deltas as they are produced.
-
-Given to ``generate(request, direct=...)``, it is called -- in whichever
-router task produced the delta, instead of queueing it on the event channel --
-with each ``DeltaEvent``; True means it took the event.  It must neither block
-nor raise.  False means it did not: the event is queued on the channel
-instead, and the callable must then refuse every later delta until its
-consumer has taken everything queued and waits on an empty channel again, or
-the order of the deltas would not hold.  Usage, done and error events always
-come on the channel.
-"""

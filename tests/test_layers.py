@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("request",),
     ("protocol",),
     (
+        "handoff",
         "config_tables",
         "trace_context",
         "lora",

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 if TYPE_CHECKING:
-    from collections.abc import Collection
+    from collections.abc import Callable, Collection
     from contextlib import AbstractAsyncContextManager
 
     from ..lora import LoraAdapter
@@ -136,6 +136,25 @@ class DeltaStream(Protocol):
 
     async def receive(self) -> Delta:
         """Next delta (see class docstring)."""
+        ...
+
+    def receive_nowait(self) -> Delta:
+        """The next delta if it already arrived: what ``receive`` raises, or ``trio.WouldBlock``.
+
+        Lets a relay pass on a burst of deltas without a scheduling round per delta.
+        """
+        ...
+
+    def set_sink(self, sink: Callable[[Delta], bool]) -> None:
+        """Hand non-final deltas to ``sink`` in the task that produced them.
+
+        The stream's deltas travel on a hand-off channel (:mod:`~epd_actors.handoff`)
+        and ``sink`` is its taker: called only while this stream's reader waits
+        in ``receive`` with nothing queued, never raising or blocking; a
+        refusal queues the delta, and every later one until the reader caught
+        up.  A stream whose reader is its producer (it reads only when asked)
+        has no other task to hand over in, and keeps the deltas for ``receive``.
+        """
         ...
 
 

@@ -20,6 +20,7 @@ import trio
 
 from .._groups import single_exception
 from ..errors import EngineCrashed, EngineError, RemoteWorkerError, WorkerDisconnected
+from ..handoff import HandoffReceiver, HandoffSender, open_handoff
 from ..limits import CLEANUP_TIMEOUT_S, WORKER_DELTA_BUFFER
 from ..lora import announced_adapters
 from ..protocol import Delta, EncodeRequest, PrefillRequest
@@ -27,7 +28,7 @@ from ..worker.engine import check_options
 from .base import BackendStatus, WorkerRequirement
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
     from ..protocol import GenerateRequest, StageResult
     from ..worker.engine import Engine
@@ -41,7 +42,7 @@ class _EngineStream:
     def __init__(self, backend: InProcessBackend, request_id: str) -> None:
         self._backend = backend
         self._request_id = request_id
-        self.channel: trio.MemoryReceiveChannel[Delta] | None = None
+        self.channel: HandoffReceiver[Delta] | None = None
         self.error: BaseException | None = None
         self.finished = False
 
@@ -60,6 +61,32 @@ class _EngineStream:
         if delta.finish_reason is not None:
             self.finished = True
         return delta
+
+    def receive_nowait(self) -> Delta:
+        """The next delta if the engine already produced it (else ``trio.WouldBlock``)."""
+        assert self.channel is not None
+        if self.finished:
+            raise trio.EndOfChannel
+        try:
+            delta = self.channel.receive_nowait()
+        except trio.EndOfChannel:
+            if isinstance(self.error, EngineError):
+                raise self._backend._remote(self.error, self._request_id) from None
+            raise WorkerDisconnected(
+                f"worker {self._backend.worker_id} ended the stream without a finish reason"
+            ) from None
+        if delta.finish_reason is not None:
+            self.finished = True
+        return delta
+
+    def set_sink(self, sink: Callable[[Delta], bool]) -> None:
+        """The engine's task hands non-final deltas to ``sink`` (see ``DeltaStream``)."""
+        assert self.channel is not None
+
+        def take(delta: Delta) -> bool:
+            return delta.finish_reason is None and sink(delta)
+
+        self.channel.attach(take)
 
 
 class InProcessBackend:
@@ -180,7 +207,7 @@ class InProcessBackend:
         """Run generate on the engine in a task; yield its delta stream."""
         self._check_connected()
         stream = _EngineStream(self, request.request_id)
-        send, receive = trio.open_memory_channel[Delta](WORKER_DELTA_BUFFER)
+        send, receive = open_handoff[Delta](WORKER_DELTA_BUFFER)
         stream.channel = receive
         self.in_flight += 1
         try:
@@ -200,7 +227,7 @@ class InProcessBackend:
     async def _generate(
         self,
         request: GenerateRequest,
-        send: trio.MemorySendChannel[Delta],
+        send: HandoffSender[Delta],
         stream: _EngineStream,
     ) -> None:
         async with send:

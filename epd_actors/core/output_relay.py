@@ -17,10 +17,11 @@ anything else, so a delta of a job being cancelled never follows that.
 
 Who calls it: the job's task (:meth:`OutputRelay.offer`, :meth:`OutputRelay.put`),
 or, while that task waits with nothing queued, the backend's reader on its
-behalf (:meth:`OutputRelay.sink`, never raising).  The caller may take each
-``DeltaEvent`` itself before it is queued (``direct``, see
-:data:`~epd_actors.request.DirectDeltas`), which the HTTP front end does to
-write the token to its client at once.
+behalf (:meth:`OutputRelay.sink`, never raising).  The event channel is a
+hand-off channel (:mod:`~epd_actors.handoff`): a caller that attached a taker
+to it, as the HTTP front end does to write the token to its client at once,
+gets each ``DeltaEvent`` in the task that relays it while it waits with
+nothing queued.
 
 Deadlines: the relay notes when the last delta passed (``last_delta_at``) and
 whether it is waiting for the caller (``waiting_for_caller``).  The supervisor,
@@ -46,8 +47,8 @@ import trio
 from ..request import DeltaEvent, GenerationEvent
 
 if TYPE_CHECKING:
+    from ..handoff import HandoffSender
     from ..protocol import Delta
-    from ..request import DirectDeltas
     from .token_gaps import TokenGaps
 
 
@@ -72,14 +73,11 @@ class OutputRelay:
         events: the request's event channel (the caller reads the other end).
         progress: where the first-token time and the token count are kept.
         inter_token_s: the inter-token timeout the deadline is moved by.
-        direct: the caller's offer to take deltas itself (see
-            :data:`~epd_actors.request.DirectDeltas`), tried before the channel.
         gaps: where the gaps between output tokens are counted (the request's
             :class:`~.token_gaps.TokenGaps`), if anywhere.
     """
 
     __slots__ = (
-        "_direct",
         "_events",
         "_gaps",
         "_inter_token_s",
@@ -95,13 +93,11 @@ class OutputRelay:
 
     def __init__(
         self,
-        events: trio.MemorySendChannel[GenerationEvent],
+        events: HandoffSender[GenerationEvent],
         progress: OutputProgress,
         inter_token_s: float,
-        direct: DirectDeltas | None = None,
         gaps: TokenGaps | None = None,
     ) -> None:
-        self._direct = direct
         self._gaps = gaps
         self._events = events
         self._progress = progress
@@ -147,16 +143,13 @@ class OutputRelay:
             return True
         now = None  # when the delta was counted, if it was
         if delta.token_ids or delta.text or delta.fields:
-            event = delta_event(delta)
-            direct = self._direct
-            if direct is None or not direct(event):
-                try:
-                    self._events.send_nowait(event)
-                except trio.WouldBlock:
-                    return False
-                except trio.BrokenResourceError:
-                    self.caller_left = True
-                    raise
+            try:
+                self._events.send_nowait(delta_event(delta))
+            except trio.WouldBlock:
+                return False
+            except trio.BrokenResourceError:
+                self.caller_left = True
+                raise
             now = self._count(delta)
         self._progressed(now)
         return True

@@ -55,8 +55,9 @@ from .supervisor import Supervisor
 from .tracing import closing_tracing, open_tracing
 
 if TYPE_CHECKING:
+    from ..handoff import HandoffReceiver
     from ..lora import LoraAdapter
-    from ..request import DirectDeltas, GenerationEvent, GenerationRequest
+    from ..request import GenerationEvent, GenerationRequest
     from .fleet.state import FleetStore
     from .models import ModelCard
     from .tracing import RequestTracing
@@ -135,10 +136,10 @@ class Router:
         return f"<Router topology={'+'.join(self.supervisor.topology)}>"
 
     def generate(
-        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
-    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
+        self, request: GenerationRequest
+    ) -> AbstractAsyncContextManager[HandoffReceiver[GenerationEvent]]:
         """Run one request; the block yields its events (see ``Supervisor.generate``)."""
-        return self.supervisor.generate(request, direct=direct)
+        return self.supervisor.generate(request)
 
     def model_cards(self) -> list[ModelCard]:
         """Every model the pools serve, then every LoRA adapter (``/v1/models``)."""

@@ -79,6 +79,7 @@ from ..errors import (
     RequestCancelled,
     StageTimeout,
 )
+from ..handoff import HandoffReceiver, HandoffSender, open_handoff
 from ..limits import REQUEST_EVENT_BUFFER
 from ..protocol import Delta, Usage
 from ..request import (
@@ -102,7 +103,6 @@ from .token_gaps import TokenGaps
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping
 
-    from ..request import DirectDeltas
     from .actors.jobs import Compensation, Job, StageEvent
     from .encoder_cache import EncoderCache
     from .models import ModelRoute
@@ -152,7 +152,6 @@ class _RequestRecord:
     usage: Usage | None = None
     compensations: list[Compensation] = field(default_factory=list)
     error: EpdError | None = None
-    direct: DirectDeltas | None = None  # the caller's offer to take deltas itself
     handoff: _Handoff | None = None  # the stage output the context's KV params came from
     refused: list[str] = field(default_factory=list)  # workers whose hand-off was refused
     refusal: HandoffRejected | None = None  # the latest refusal, while its stage runs again
@@ -400,13 +399,14 @@ class Supervisor:
 
     @asynccontextmanager
     async def generate(
-        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
-    ) -> AsyncIterator[trio.MemoryReceiveChannel[GenerationEvent]]:
+        self, request: GenerationRequest
+    ) -> AsyncIterator[HandoffReceiver[GenerationEvent]]:
         """Run ``request``; yield the channel its events arrive on.
 
         The last event is always a ``DoneEvent`` or an ``ErrorEvent``.
-        ``direct``: the caller takes deltas as they are produced, when it can
-        (see :data:`~epd_actors.request.DirectDeltas`); the rest come on the channel.
+        The caller may attach a taker to the channel (:meth:`HandoffReceiver.attach
+        <epd_actors.handoff.HandoffReceiver.attach>`): deltas are then handed to it,
+        in the task that produced them, while the caller waits with nothing queued.
 
         Cancellation: leaving the block early cancels the request; its workers
         are told to abort and compensations run (shielded, bounded).
@@ -414,7 +414,7 @@ class Supervisor:
         are unread.  Admission: past ``max_requests_in_flight`` the only event
         is an ``ErrorEvent`` carrying ``Overloaded`` (nothing is queued).
         """
-        send, receive = trio.open_memory_channel[GenerationEvent](REQUEST_EVENT_BUFFER)
+        send, receive = open_handoff[GenerationEvent](REQUEST_EVENT_BUFFER)
         refusal = self._admission_refusal(request)
         if refusal is not None:
             send.send_nowait(refusal)
@@ -430,7 +430,7 @@ class Supervisor:
             with single_exception():
                 async with trio.open_nursery() as nursery:
                     name = f"request:{request.request_id}"
-                    nursery.start_soon(self._run_request, request, send, direct, name=name)
+                    nursery.start_soon(self._run_request, request, send, name=name)
                     try:
                         with receive:
                             yield receive
@@ -465,10 +465,9 @@ class Supervisor:
     async def _run_request(
         self,
         request: GenerationRequest,
-        events: trio.MemorySendChannel[GenerationEvent],
-        direct: DirectDeltas | None,
+        events: HandoffSender[GenerationEvent],
     ) -> None:
-        record = _RequestRecord(request, trio.current_time(), direct=direct)
+        record = _RequestRecord(request, trio.current_time())
         if self.tracing is not None:
             record.trace = self.tracing.start(request, record)
         completed = False
@@ -519,7 +518,7 @@ class Supervisor:
                 logger.exception("request trace failed on %s", record.request.request_id)
 
     async def _outcome(
-        self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
+        self, record: _RequestRecord, events: HandoffSender[GenerationEvent]
     ) -> DoneEvent | ErrorEvent:
         request = record.request
         timeout = request.timeout_s
@@ -554,7 +553,7 @@ class Supervisor:
             self._expirable.discard(expiry)
 
     async def _pipeline(
-        self, record: _RequestRecord, events: trio.MemorySendChannel[GenerationEvent]
+        self, record: _RequestRecord, events: HandoffSender[GenerationEvent]
     ) -> DoneEvent:
         route = self.route(record.request)
         record.model = route.model
@@ -638,7 +637,7 @@ class Supervisor:
         earlier: list[BaseActor],
         context: StageContext,
         record: _RequestRecord,
-        events: trio.MemorySendChannel[GenerationEvent],
+        events: HandoffSender[GenerationEvent],
         error: EpdError,
     ) -> bool:
         """Run again the items of earlier stages whose remembered results ``error`` found gone.
@@ -678,7 +677,7 @@ class Supervisor:
         actor: BaseActor,
         context: StageContext,
         record: _RequestRecord,
-        events: trio.MemorySendChannel[GenerationEvent],
+        events: HandoffSender[GenerationEvent],
         items: list[int | None] | None = None,
     ) -> None:
         if items is None:
@@ -728,16 +727,12 @@ class Supervisor:
         context: StageContext,
         item: int | None,
         record: _RequestRecord,
-        events: trio.MemorySendChannel[GenerationEvent],
+        events: HandoffSender[GenerationEvent],
         workers: list[str],
         waits: list[float],
     ) -> None:
         relay = OutputRelay(
-            events,
-            record,
-            self.deadlines.inter_token_timeout_s,
-            direct=record.direct,
-            gaps=record.token_gaps,
+            events, record, self.deadlines.inter_token_timeout_s, gaps=record.token_gaps
         )
         output = relay if actor.produces_output else None
         avoid = tuple(record.refused) if record.refusal is not None else ()
@@ -842,6 +837,9 @@ class Supervisor:
             return True
         if isinstance(event, StageOutput):
             context.absorb(event)
+            if event.finish_reason is not None:  # an output stage's end
+                record.finish_reason = event.finish_reason
+                record.usage = event.usage
             return True
         assert isinstance(event, StageFailure)
         raise event.error

@@ -9,11 +9,12 @@ import trio
 from ..request import DoneEvent, ErrorEvent
 
 if TYPE_CHECKING:
+    from ..handoff import HandoffReceiver
     from ..request import GenerationEvent
 
 
 async def next_batch(
-    events: trio.MemoryReceiveChannel[GenerationEvent],
+    events: HandoffReceiver[GenerationEvent],
 ) -> list[GenerationEvent]:
     """One event (waiting for it) plus every event already queued behind it.
 

@@ -21,11 +21,10 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
     from contextlib import AbstractAsyncContextManager
 
-    import trio
-
     from ..core.models import ModelCard
     from ..core.router import Router
-    from ..request import DirectDeltas, GenerationEvent, GenerationRequest
+    from ..handoff import HandoffReceiver
+    from ..request import GenerationEvent, GenerationRequest
 
     AdminHook = Callable[[str, str, object], Awaitable[tuple[int, object]]]
     """``await admin(method, path, json_body)`` -> ``(status, json_body)``."""
@@ -91,12 +90,11 @@ class HttpApp(Protocol):
     admin: AdminHook | None
 
     def generate(
-        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
-    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
+        self, request: GenerationRequest
+    ) -> AbstractAsyncContextManager[HandoffReceiver[GenerationEvent]]:
         """Run a request; the block yields its events (last: Done or Error).
 
-        ``direct``, if given, may be offered the deltas before they are queued
-        (:data:`~epd_actors.request.DirectDeltas`); an app may also ignore it.
+        The front end may attach a writer to the channel (see :mod:`~epd_actors.handoff`).
         """
         ...
 
@@ -138,9 +136,9 @@ class RouterHttpApp:
         self.draining = False
 
     def generate(
-        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
-    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]:
-        return self.router.generate(request, direct=direct)
+        self, request: GenerationRequest
+    ) -> AbstractAsyncContextManager[HandoffReceiver[GenerationEvent]]:
+        return self.router.generate(request)
 
     def models(self) -> Sequence[str | ModelCard]:
         """Every model the pools serve, then every LoRA adapter (configured or announced)."""

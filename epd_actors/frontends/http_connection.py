@@ -62,7 +62,7 @@ from ..openai.format import AnswerBuilder, SseFormatter, error_body, unix_time
 from ..openai.schema import ParsedRequest, parse_chat_completion, parse_completion
 from ..openai.sse import render_batch
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
-from ..transport.framed import send_some_nowait
+from ..transport.nowait import NowaitWriter
 from .event_batches import next_batch
 from .media_fetch import resolve_media
 from .sse_direct import DirectSseWriter
@@ -167,6 +167,7 @@ class HttpConnection:
         upgrade_path: str | None = None,
     ) -> None:
         self.stream = stream
+        self.writer = NowaitWriter(stream)  # every response byte goes through it
         self.app = app
         self.settings = settings
         self._authorized = authorized
@@ -535,9 +536,9 @@ class HttpConnection:
         # by the task that produced them (see sse_direct).
         frame = body_framer(self.h11)
         direct = DirectSseWriter(
-            frame, self.stream, formatter, logprobs=parsed.logprobs, exchange=self.exchange
+            frame, self.writer, formatter, logprobs=parsed.logprobs, exchange=self.exchange
         )
-        async with self.app.generate(parsed.request, direct=direct) as events:
+        async with self.app.generate(parsed.request) as events:
             batch = await next_batch(events)
             if batch and isinstance(batch[0], ErrorEvent):
                 self._note_served(batch[0])
@@ -557,6 +558,7 @@ class HttpConnection:
                     await self._write(data)
                 if final is not None:
                     break
+                events.attach(direct)  # the head is out: deltas may be written directly
                 text = ""
                 while True:
                     batch = await direct.next_batch(events)
@@ -654,7 +656,7 @@ class HttpConnection:
         if self.exchange is not None:
             self.exchange.sent += len(data)
         try:
-            written = send_some_nowait(self.stream, data)
+            written = self.writer.send_some_nowait(data)
         except trio.BrokenResourceError:
             self.close_after = True
             raise ClientGone("the client stopped reading") from None
@@ -662,7 +664,7 @@ class HttpConnection:
             return
         with trio.move_on_after(self.settings.write_timeout_s):
             try:
-                await self.stream.send_all(data[written:])
+                await self.writer.send_all(data[written:])
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.close_after = True
                 raise ClientGone("the client stopped reading") from None

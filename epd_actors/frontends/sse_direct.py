@@ -6,17 +6,19 @@ A streaming response has one writer: its connection's task, which waits for
 the request's events, renders each batch as SSE and writes it.  When a token
 comes alone (an engine step every few milliseconds, one token per stream), that
 is one wake-up of the connection's task per token.  A :class:`DirectSseWriter`
-is the response's :data:`~epd_actors.request.DirectDeltas`: while the
-connection's task waits on an empty event channel (``idle``), the router's
-task that produced a delta renders it and offers it to the socket without
-waiting (:func:`~epd_actors.transport.framed.send_some_nowait`), so the connection's
+is the taker the connection attaches to the request's event channel (a
+hand-off channel, :mod:`~epd_actors.handoff`): while the connection's task
+waits on an empty event channel, the router's task that produced a delta
+renders it and offers it to the socket without waiting
+(:meth:`~epd_actors.transport.nowait.NowaitWriter.send_some_nowait`), so the connection's
 task sleeps through the whole stream and wakes for its end.
 
-Order and ownership: the writer takes a delta only while ``idle``, which the
-connection's task sets just before it waits on an empty channel and clears as
-soon as it runs again; a refusal, a short write or a failure clears it too, so
-once one delta is queued every later one is queued behind it, and the
-connection's task writes them in order.  When the kernel takes only part of
+Order and ownership: the channel hands the writer a delta only while the
+connection's task waits on it with nothing queued, and after a refusal (a
+short write, a failure) it queues every later delta until that task caught
+up, so the connection's task writes them in order; both write through the
+connection's one :class:`~epd_actors.transport.nowait.NowaitWriter`, which
+refuses a write while another is in progress.  When the kernel takes only part of
 a direct write (or nothing, as from any stream but a socket), the rest is kept
 (``backlog``) and the delta is refused all the same, so it is queued and wakes
 the connection's task, which writes the backlog -- under its write timeout --
@@ -32,14 +34,16 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from ..openai.sse import worth_a_chunk
-from ..transport.framed import send_some_nowait
+from ..request import DeltaEvent
 from .event_batches import next_batch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from ..handoff import HandoffReceiver
     from ..openai.format import SseFormatter
-    from ..request import DeltaEvent, GenerationEvent
+    from ..request import GenerationEvent
+    from ..transport.nowait import NowaitWriter
 
 
 class SentCounter(Protocol):
@@ -53,7 +57,7 @@ class DirectSseWriter:
 
     Args:
         frame: frames a piece of the response's body (:func:`~epd_actors.http.body.body_framer`).
-        stream: the client's stream.
+        writer: the client's stream's writer.
         formatter: renders one delta as SSE text.
         logprobs: the request asked for log-probabilities (a delta without
             text is rendered when it has tokens).
@@ -65,73 +69,65 @@ class DirectSseWriter:
         "_formatter",
         "_frame",
         "_logprobs",
-        "_stream",
+        "_writer",
         "backlog",
         "failed",
-        "idle",
         "written",
     )
 
     def __init__(
         self,
         frame: Callable[[bytes], bytes],
-        stream: trio.abc.Stream,
+        writer: NowaitWriter,
         formatter: SseFormatter,
         *,
         logprobs: bool,
         exchange: SentCounter | None,
     ) -> None:
         self._frame = frame
-        self._stream = stream
+        self._writer = writer
         self._formatter = formatter
         self._logprobs = logprobs
         self._exchange = exchange
         self.backlog = b""
         self.failed = False
-        self.idle = False
         self.written: DeltaEvent | None = None  # refused, but its chunk is in the backlog
 
-    def __call__(self, event: DeltaEvent) -> bool:
-        """Write ``event`` now if the connection's task is idle; False to have it queued.
+    def __call__(self, event: GenerationEvent) -> bool:
+        """Write ``event`` now (the channel calls it); False to have it queued.
 
         False also when the chunk was only partly written: the event is then
         queued just to wake the connection's task (:meth:`next_batch` drops it).
         """
-        if not self.idle:
-            return False
+        if self.backlog or self.failed or type(event) is not DeltaEvent:
+            return False  # usage, done and error events go to the connection's task
         if not worth_a_chunk(event, logprobs=self._logprobs):
             return True  # nothing to render (as in a batch)
         text = self._formatter.event(event)
         data = self._frame(text.encode("utf-8", "replace"))
         try:
-            written = send_some_nowait(self._stream, data)
+            written = self._writer.send_some_nowait(data)
+        except trio.BusyResourceError:  # never while the connection's task waits
+            return False
         except trio.BrokenResourceError:
             self.failed = True
-            self.idle = False
             return False
         if self._exchange is not None:
             self._exchange.sent += written
         if written < len(data):
             self.backlog = data[written:]
             self.written = event
-            self.idle = False
             return False
         return True
 
-    async def next_batch(
-        self, events: trio.MemoryReceiveChannel[GenerationEvent]
-    ) -> list[GenerationEvent]:
-        """Like :func:`~.event_batches.next_batch`; takes deltas directly while none is queued.
+    async def next_batch(self, events: HandoffReceiver[GenerationEvent]) -> list[GenerationEvent]:
+        """:func:`~.event_batches.next_batch`, less the event whose chunk is in the backlog.
 
-        The event whose chunk is already in the backlog is left out of the batch.
+        Attach this writer to ``events`` first to have it take deltas meanwhile.
 
-        Cancellation and backpressure: as :func:`~epd_actors.openai.sse.next_batch`.
+        Cancellation and backpressure: as :func:`~.event_batches.next_batch`.
         """
-        self.idle = not (self.backlog or self.failed or events.statistics().current_buffer_used)
-        try:
-            batch = await next_batch(events)
-        finally:
-            self.idle = False
+        batch = await next_batch(events)
         written, self.written = self.written, None
         if written is not None and batch and batch[0] is written:
             del batch[0]

@@ -90,6 +90,7 @@ if TYPE_CHECKING:
 
     from trio_websocket import WebSocketConnection, WebSocketRequest
 
+    from ..handoff import HandoffReceiver
     from ..openai.schema import ParsedRequest
     from ..request import GenerationEvent, GenerationRequest
     from .media_fetch import MediaFetcher
@@ -113,7 +114,7 @@ class WsApp(Protocol):
 
     def generate(
         self, request: GenerationRequest
-    ) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[GenerationEvent]]: ...
+    ) -> AbstractAsyncContextManager[HandoffReceiver[GenerationEvent]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +182,8 @@ class WsConnectionStatistics:
         messages_received / messages_sent: frames each way.
         deltas_merged: router deltas that went out merged into another's message.
         outgoing_buffered / outgoing_peak: the writer channel now, and its peak.
+        deltas_direct: router deltas queued for the socket by the task that
+            produced them, while their generation's task waited.
     """
 
     generations: int
@@ -189,6 +192,7 @@ class WsConnectionStatistics:
     deltas_merged: int
     outgoing_buffered: int
     outgoing_peak: int
+    deltas_direct: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,6 +516,7 @@ class WsConnection:
         self.messages_received = 0
         self.messages_sent = 0
         self.deltas_merged = 0
+        self.deltas_direct = 0
 
     def __repr__(self) -> str:
         return f"<WsConnection #{self.number} peer={self._peer} live={len(self._live)}>"
@@ -523,6 +528,7 @@ class WsConnection:
             messages_received=self.messages_received,
             messages_sent=self.messages_sent,
             deltas_merged=self.deltas_merged,
+            deltas_direct=self.deltas_direct,
             outgoing_buffered=channel.current_buffer_used if channel else 0,
             outgoing_peak=channel.peak_buffer_used if channel else 0,
         )
@@ -686,12 +692,31 @@ class WsConnection:
     async def _stream(
         self,
         client_id: str,
-        events: trio.MemoryReceiveChannel[GenerationEvent],
+        events: HandoffReceiver[GenerationEvent],
         outgoing: trio.MemorySendChannel[str],
         *,
         logprobs: bool,
     ) -> DoneEvent | ErrorEvent | None:
-        """Forward deltas (merging those already queued); return the final event."""
+        """Forward deltas (merging those already queued); return the final event.
+
+        While this task waits on an empty event channel, the task that produced
+        a delta queues its message itself (the channel's taker, see
+        :mod:`~epd_actors.handoff`), when the outgoing queue has room for it.
+        """
+
+        def take(event: GenerationEvent) -> bool:
+            if type(event) is not DeltaEvent:
+                return False  # usage, done and error events come to this task
+            stats = outgoing.statistics()
+            messages = delta_messages(client_id, [event], logprobs=logprobs)
+            if stats.current_buffer_used + len(messages) > stats.max_buffer_size:
+                return False
+            for text in messages:
+                outgoing.send_nowait(text)
+            self.deltas_direct += 1
+            return True
+
+        events.attach(take)
         async for event in events:
             if isinstance(event, DoneEvent | ErrorEvent):
                 return event
@@ -722,7 +747,7 @@ class WsConnection:
 
 
 def _drain(
-    first: DeltaEvent, events: trio.MemoryReceiveChannel[GenerationEvent]
+    first: DeltaEvent, events: HandoffReceiver[GenerationEvent]
 ) -> tuple[list[DeltaEvent], DoneEvent | ErrorEvent | None]:
     """``first`` plus every delta already queued behind it, and a final event if one came."""
     deltas = [first]

@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 import trio
 
 from ..limits import CLEANUP_TIMEOUT_S, RECEIVE_CHUNK_BYTES
-from ..transport.framed import send_some_nowait
+from ..transport.nowait import send_some_nowait
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

@@ -8,7 +8,7 @@ different tasks never interleave and are written in the order the writers
 arrived.  Transport failures are mapped once, here, into ``ConnectionLost``.
 
 A frame is first offered to the socket without waiting
-(:func:`send_some_nowait`): when the lock is free and the kernel takes the
+(:func:`~.nowait.send_some_nowait`): when the lock is free and the kernel takes the
 whole frame -- the common case -- the send costs one syscall and no
 scheduling round; the rest of a frame the kernel did not take is sent the
 awaited way, still under the lock.
@@ -16,9 +16,7 @@ awaited way, still under the lock.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import trio
@@ -26,6 +24,7 @@ import trio
 from ..errors import ConnectionLost
 from ..limits import RECEIVE_CHUNK_BYTES
 from ..protocol import DEFAULT_MAX_FRAME_BYTES, FrameDecoder, Message, encode
+from .nowait import send_some_nowait
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -153,31 +152,3 @@ class FramedStream:
     async def aclose(self) -> None:
         """Close the underlying stream (forcefully if cancelled)."""
         await trio.aclose_forcefully(self._stream)
-
-
-def send_some_nowait(stream: trio.abc.Stream, data: bytes) -> int:
-    """Write what the kernel takes of ``data`` right now; return how many bytes that was.
-
-    Only a ``trio.SocketStream`` is written this way; any other stream (a
-    memory stream in tests), a socket that is closed or shut down for writing,
-    or a full send buffer takes 0 bytes, and the caller sends the rest with an
-    awaited ``send_all`` (which also reports a closed stream).  Not a
-    checkpoint.  The caller must be the stream's only writer at that moment.
-
-    Raises:
-        trio.BrokenResourceError: the peer reset or closed the connection.
-    """
-    if not isinstance(stream, trio.SocketStream):
-        return 0
-    sock = stream.socket
-    fd = sock.fileno()
-    if fd == -1 or sock.did_shutdown_SHUT_WR:
-        return 0
-    try:
-        return os.write(fd, data)
-    except BlockingIOError:
-        return 0
-    except OSError as exc:
-        if exc.errno == errno.EBADF:
-            return 0
-        raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc

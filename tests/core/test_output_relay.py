@@ -10,6 +10,7 @@ import trio
 import trio.testing
 
 from epd_actors.core.output_relay import OutputRelay
+from epd_actors.handoff import HandoffReceiver, open_handoff
 from epd_actors.protocol import Delta, TokenLogprob
 from epd_actors.request import DeltaEvent, GenerationEvent
 
@@ -24,8 +25,8 @@ class Progress:
 
 def relay_with(
     capacity: int,
-) -> tuple[OutputRelay, Progress, trio.MemoryReceiveChannel[GenerationEvent]]:
-    send, receive = trio.open_memory_channel[GenerationEvent](capacity)
+) -> tuple[OutputRelay, Progress, HandoffReceiver[GenerationEvent]]:
+    send, receive = open_handoff[GenerationEvent](capacity)
     progress = Progress()
     return OutputRelay(send, progress, INTER_TOKEN_S), progress, receive
 

@@ -28,10 +28,10 @@ from epd_actors.frontends.http import (
     RouterHttpApp,
     error_response,
 )
+from epd_actors.handoff import HandoffReceiver, HandoffSender, open_handoff
 from epd_actors.protocol import Usage
 from epd_actors.request import (
     DeltaEvent,
-    DirectDeltas,
     DoneEvent,
     ErrorEvent,
     GenerationEvent,
@@ -40,6 +40,7 @@ from epd_actors.request import (
     UsageEvent,
 )
 from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
+from epd_actors.transport.nowait import MemoryNowaitStream, memory_nowait_pair
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -172,19 +173,17 @@ class ScriptedApp:
     def __init__(self, script: list[GenerationEvent] | None = None) -> None:
         self.script = script
         self.requests: list[GenerationRequest] = []
-        self.feed: trio.MemorySendChannel[GenerationEvent] | None = None
+        self.feed: HandoffSender[GenerationEvent] | None = None
         self.started = trio.Event()
         self.left = trio.Event()
         self.observed: list[tuple[str, int]] = []
-        self.direct: DirectDeltas | None = None
 
     @asynccontextmanager
     async def generate(
-        self, request: GenerationRequest, *, direct: DirectDeltas | None = None
-    ) -> AsyncIterator[trio.MemoryReceiveChannel[GenerationEvent]]:
+        self, request: GenerationRequest
+    ) -> AsyncIterator[HandoffReceiver[GenerationEvent]]:
         self.requests.append(request)
-        self.direct = direct
-        send, receive = trio.open_memory_channel[GenerationEvent](32)
+        send, receive = open_handoff[GenerationEvent](32)
         for event in self.script or ():
             send.send_nowait(event)
         self.feed = send
@@ -759,25 +758,19 @@ async def test_queued_events_are_coalesced_into_one_write() -> None:
 
 
 async def test_a_direct_delta_the_socket_cannot_take_now_is_written_before_the_next() -> None:
-    """A delta offered while the response's task waits is rendered; a memory stream
-    takes nothing without waiting, so the delta is refused and queued to wake the
-    response's task, which writes its chunk once, in order."""
+    """A delta sent while the response's task waits is rendered at once; a stream
+    that takes nothing without waiting (a memory stream) refuses it, so it is
+    queued to wake the response's task, which writes its chunk once, in order."""
     app = ScriptedApp()
     async with connected(app) as client:
         await client.send("POST", "/v1/chat/completions", json_body={**CHAT, "stream": True})
         await app.started.wait()
         assert app.feed is not None
-        assert app.direct is not None
-        assert app.direct(delta("early")) is False  # the head is not out yet
-        app.feed.send_nowait(delta("a"))
+        app.feed.send_nowait(delta("a"))  # the head is not out yet: queued
         await trio.testing.wait_all_tasks_blocked()
-        b = delta("b")
-        assert app.direct(b) is False  # rendered, but nothing written yet
-        app.feed.send_nowait(b)  # as the router does with a refused delta
+        app.feed.send_nowait(delta("b"))  # rendered, nothing written, queued to wake
         await trio.testing.wait_all_tasks_blocked()  # "b" is out, and nothing else came
-        c = delta("c")
-        assert app.direct(c) is False  # waiting again, but still a memory stream
-        app.feed.send_nowait(c)
+        app.feed.send_nowait(delta("c"))
         app.feed.send_nowait(done())
         reply = await client.response()
     contents = [
@@ -786,6 +779,31 @@ async def test_a_direct_delta_the_socket_cannot_take_now_is_written_before_the_n
         if line.startswith("data: {")
     ]
     assert contents == ["", "a", "b", "c", None]
+
+
+async def test_deltas_are_written_by_the_task_that_sends_them_on_a_socket_like_stream() -> None:
+    """On the socket's twin the production path runs: a delta sent while the
+    response's task waits is on the client's side before that task runs."""
+    app = ScriptedApp()
+    async with connected(app, pair=memory_nowait_pair) as client:
+        await client.send("POST", "/v1/chat/completions", json_body={**CHAT, "stream": True})
+        await app.started.wait()
+        assert app.feed is not None
+        app.feed.send_nowait(delta("a"))
+        await trio.testing.wait_all_tasks_blocked()
+        head = await client.stream.receive_some(1 << 20)
+        assert b'"content":"a"' in head
+        app.feed.send_nowait(delta("b"))  # written here, in this task
+        assert isinstance(client.stream, MemoryNowaitStream)
+        assert b'"content":"b"' in client.stream.unread()
+        await client.stream.receive_some(1 << 20)
+        app.feed.send_nowait(delta("c"))
+        app.feed.send_nowait(done())
+        rest = await client.stream.receive_some(1 << 20)
+        while not rest.endswith(b"0\r\n\r\n"):
+            rest += await client.stream.receive_some(1 << 20)
+    assert b'"content":"c"' in rest
+    assert rest.count(b"data: [DONE]") == 1
 
 
 async def test_failure_mid_stream_ends_with_an_error_event_and_keeps_the_connection() -> None:

@@ -17,9 +17,12 @@ import trio
 import trio.testing
 
 from epd_actors.frontends.sse_direct import DirectSseWriter
+from epd_actors.handoff import HandoffReceiver, open_handoff
 from epd_actors.http.body import body_framer
 from epd_actors.openai.format import SseFormatter
-from epd_actors.request import DeltaEvent, GenerationEvent
+from epd_actors.protocol import Usage
+from epd_actors.request import DeltaEvent, DoneEvent, GenerationEvent, RequestTimings
+from epd_actors.transport.nowait import NowaitWriter, memory_nowait_pair
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -39,10 +42,16 @@ def streaming_response() -> h11.Connection:
     return connection
 
 
+def done_event() -> DoneEvent:
+    return DoneEvent("stop", Usage(1, 1), RequestTimings(0.0, {}, None, 0.0, {}))
+
+
 def writer_on(stream: trio.abc.Stream, exchange: Sent | None = None) -> DirectSseWriter:
     formatter = SseFormatter("completion", request_id="r", model="m", created=0)
     frame = body_framer(streaming_response())
-    return DirectSseWriter(frame, stream, formatter, logprobs=False, exchange=exchange)
+    return DirectSseWriter(
+        frame, NowaitWriter(stream), formatter, logprobs=False, exchange=exchange
+    )
 
 
 Pair = tuple[trio.SocketStream, trio.SocketStream]
@@ -60,21 +69,46 @@ async def read_text(stream: trio.SocketStream) -> str:
     return (await stream.receive_some(65536)).decode()
 
 
-async def test_a_delta_is_written_only_while_the_responses_task_is_idle(pair: Pair) -> None:
+async def waiting(
+    receive: HandoffReceiver[GenerationEvent],
+    seen: list[list[GenerationEvent]],
+    writer: DirectSseWriter,
+    nursery: trio.Nursery,
+) -> None:
+    """Have the response's task wait on ``receive`` (with ``writer`` attached)."""
+
+    async def consume() -> None:
+        seen.append(await writer.next_batch(receive))
+
+    receive.attach(writer)
+    nursery.start_soon(consume)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_a_delta_is_written_only_while_the_responses_task_waits(pair: Pair) -> None:
     server, client = pair
     exchange = Sent()
     writer = writer_on(server, exchange)
-    assert writer(DeltaEvent("early", (1,))) is False  # not idle: queue it
-    writer.idle = True
-    assert writer(DeltaEvent("hello", (1,))) is True
-    assert '"text":"hello"' in await read_text(client)
-    assert writer.idle
-    assert not writer.backlog
-    assert not writer.failed
-    assert exchange.sent > 0
-    assert writer(DeltaEvent("", ())) is True  # nothing to render, nothing written
-    assert writer(DeltaEvent("again", (2,))) is True
-    assert (await read_text(client)).count("data: ") == 1
+    send, receive = open_handoff[GenerationEvent](4)
+    receive.attach(writer)
+    send.send_nowait(DeltaEvent("early", (1,)))  # not waiting: queued
+    assert receive.queued == 1
+    seen: list[list[GenerationEvent]] = []
+    async with trio.open_nursery() as nursery:
+        await waiting(receive, seen, writer, nursery)
+        assert seen == [[DeltaEvent("early", (1,))]]
+        await waiting(receive, seen, writer, nursery)
+        send.send_nowait(DeltaEvent("hello", (1,)))
+        assert '"text":"hello"' in await read_text(client)
+        assert not writer.backlog
+        assert not writer.failed
+        assert exchange.sent > 0
+        send.send_nowait(DeltaEvent("", ()))  # nothing to render, nothing written
+        send.send_nowait(DeltaEvent("again", (2,)))
+        assert (await read_text(client)).count("data: ") == 1
+        assert receive.queued == 0
+        send.send_nowait(done_event())  # the end goes to the response's task
+    assert seen[-1] == [done_event()]
 
 
 async def test_what_a_full_socket_did_not_take_waits_for_the_responses_task(pair: Pair) -> None:
@@ -85,18 +119,19 @@ async def test_what_a_full_socket_did_not_take_waits_for_the_responses_task(pair
             os.write(server.socket.fileno(), b"x" * 65536)
         except BlockingIOError:
             break
-    writer.idle = True
+    send, receive = open_handoff[GenerationEvent](4)
     late = DeltaEvent("late", (1,))
-    assert writer(late) is False  # rendered and kept, but queued to wake the response's task
-    assert writer.written is late
-    assert writer.backlog.endswith(b'"text":"late","logprobs":null,"finish_reason":null}]}\n\n\r\n')
-    assert not writer.idle
     following = DeltaEvent("next", (2,))
-    assert writer(following) is False  # queued behind the backlog
-    send, receive = trio.open_memory_channel[GenerationEvent](4)
-    send.send_nowait(late)  # as the relay queues what was refused
-    send.send_nowait(following)
-    assert await writer.next_batch(receive) == [following]  # "late" is not rendered twice
+    seen: list[list[GenerationEvent]] = []
+    async with trio.open_nursery() as nursery:
+        await waiting(receive, seen, writer, nursery)
+        send.send_nowait(late)  # rendered and kept, but queued to wake the response's task
+        assert writer.written is late
+        assert writer.backlog.endswith(
+            b'"text":"late","logprobs":null,"finish_reason":null}]}\n\n\r\n'
+        )
+        send.send_nowait(following)  # queued behind the backlog
+    assert seen == [[following]]  # "late" is not rendered twice
     assert writer.written is None
     backlog = writer.take_backlog()
     assert backlog
@@ -108,34 +143,39 @@ async def test_a_client_that_is_gone_is_reported_not_raised(pair: Pair) -> None:
     server, client = pair
     writer = writer_on(server)
     await client.aclose()
-    writer.idle = True
     results = [writer(DeltaEvent(f"t{n}", (n,))) for n in range(3)]
     # The first write may still find the socket open; a later one meets the reset.
     assert results[-1] is False
     assert writer.failed
-    assert not writer.idle
 
 
-async def test_next_batch_is_open_to_direct_writes_only_on_an_empty_channel(pair: Pair) -> None:
-    server, client = pair
+async def test_a_write_in_progress_refuses_the_direct_one() -> None:
+    server, client = memory_nowait_pair(room=8)
+    nowait = NowaitWriter(server)
+    formatter = SseFormatter("completion", request_id="r", model="m", created=0)
+    writer = DirectSseWriter(
+        body_framer(streaming_response()), nowait, formatter, logprobs=False, exchange=None
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(nowait.send_all, b"x" * 16)  # the response's task, waiting for room
+        await trio.testing.wait_all_tasks_blocked()
+        assert writer(DeltaEvent("direct", (1,))) is False
+        assert not writer.failed
+        assert not writer.backlog
+        await client.receive_some()
+        await client.receive_some()
+
+
+async def test_the_twin_stream_takes_direct_writes_as_a_socket_does() -> None:
+    server, client = memory_nowait_pair(room=1 << 16)
     writer = writer_on(server)
-    send, receive = trio.open_memory_channel[GenerationEvent](4)
+    send, receive = open_handoff[GenerationEvent](4)
     seen: list[list[GenerationEvent]] = []
-
-    async def consume() -> None:
-        seen.append(await writer.next_batch(receive))
-
-    send.send_nowait(DeltaEvent("queued", (1,)))
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(consume)
-        await trio.testing.wait_all_tasks_blocked()
-    assert not writer.idle  # something was queued: no direct write meanwhile
-    assert seen == [[DeltaEvent("queued", (1,))]]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(consume)
-        await trio.testing.wait_all_tasks_blocked()
-        assert writer.idle  # waiting on an empty channel
-        assert writer(DeltaEvent("direct", (2,))) is True
-        send.send_nowait(DeltaEvent("wake", (3,)))
-    assert not writer.idle
-    assert '"text":"direct"' in await read_text(client)
+        await waiting(receive, seen, writer, nursery)
+        send.send_nowait(DeltaEvent("direct", (2,)))
+        assert '"text":"direct"' in (await client.receive_some()).decode()
+        server.set_room(0)
+        send.send_nowait(DeltaEvent("wake", (3,)))  # nothing taken: the response's task wakes
+    assert seen == [[]]
+    assert writer.take_backlog().count(b"wake") == 1

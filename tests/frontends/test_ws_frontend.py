@@ -593,3 +593,16 @@ async def test_configured_ws_models_are_the_ones_accepted() -> None:
             sim = await receive(ws)
     assert alias["alias"][-1]["type"] == "done"
     assert sim["error"]["code"] == "model_not_found"
+
+
+async def test_deltas_go_out_from_the_task_that_produced_them_while_the_generation_waits() -> None:
+    """Paced tokens find the generation's task waiting: each is queued for the socket
+    by the router task that produced it, and the client still gets them in order."""
+    with trio.fail_after(GUARD_S):
+        paced = sim_config(max_model_len=CONTEXT, output_token_s=0.001)
+        async with serving(sim=paced) as served, open_websocket_url(served.url) as ws:
+            await send(ws, generate("a", 8))
+            messages = (await until_terminal(ws, "a"))["a"]
+            (stats,) = served.server.statistics().connections
+    assert messages[-1]["type"] == "done"
+    assert stats.deltas_direct > 0

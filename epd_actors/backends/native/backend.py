@@ -596,7 +596,7 @@ class NativeBackend:
                 message.request_id,
             )
             return
-        if pending.direct and type(message) is Delta and message.finish_reason is None:
+        if pending.send_channel.direct and type(message) is Delta and message.finish_reason is None:
             conn.held.setdefault(pending, []).append(message)  # for the end of this read
             return
         run = conn.held.pop(pending, None)
@@ -605,7 +605,7 @@ class NativeBackend:
         self._queue(conn, pending, message)
 
     def _hand_over(self, conn: _Connection, pending: _Pending, run: list[Delta]) -> None:
-        """Give a stream's deltas of one read, merged, to its sink; queue what it refuses.
+        """Send a stream's deltas of one read, merged (to its sink, while it takes them).
 
         They are merged only when the merge keeps everything
         (:func:`~epd_actors.protocol.deltas_mergeable`): how a read splits a
@@ -613,15 +613,10 @@ class NativeBackend:
         """
         mixed = len(run) > 1 and not deltas_mergeable(run)
         for delta in run if mixed else (merge_deltas(run),):
-            if pending.accepting and pending.direct:
-                assert pending.sink is not None  # direct is only set with a sink
-                if pending.sink(delta):
-                    continue
             self._queue(conn, pending, delta)
 
     def _queue(self, conn: _Connection, pending: _Pending, message: _Reply) -> None:
-        """Queue a reply for the request's consumer; its sink gets nothing until it caught up."""
-        pending.direct = False
+        """Send a reply to the request's consumer: to its sink, while it takes them, or queued."""
         if not pending.accepting:
             return
         try:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ...errors import RemoteWorkerError
+from ...handoff import open_handoff
 from ...protocol import (
     Delta,
     EncodeRequest,
@@ -212,8 +213,8 @@ class _Pending:
     ``accepting``: the reader may still deliver replies.  ``failure``: set once;
     the next receive raises it.  ``settled``: the worker holds nothing more for
     the request (its terminal reply or ``Aborted`` arrived, or the connection
-    is gone), so cleanup need not abort it.  ``sink`` / ``direct``: see
-    :meth:`NativeDeltaStream.set_sink`.
+    is gone), so cleanup need not abort it.  The replies travel on a hand-off
+    channel (:mod:`~epd_actors.handoff`); see :meth:`NativeDeltaStream.set_sink`.
     """
 
     __slots__ = (
@@ -221,7 +222,6 @@ class _Pending:
         "abortable",
         "accepting",
         "connection",
-        "direct",
         "expects",
         "failure",
         "number",
@@ -230,7 +230,6 @@ class _Pending:
         "send_channel",
         "sent",
         "settled",
-        "sink",
         "stage",
         "worker_id",
     )
@@ -250,15 +249,13 @@ class _Pending:
         self.connection = connection
         self.expects = expects
         self.abortable = not isinstance(message, Release)
-        self.send_channel, self.receive_channel = trio.open_memory_channel[_Reply](capacity)
+        self.send_channel, self.receive_channel = open_handoff[_Reply](capacity)
         self.accepting = True
         self.failure: WorkerError | None = None
         self.settled = trio.Event()
         self.sent = False  # the request frame is queued or written
         self.number = -1  # the request frame's number in the connection's outbox
         self.abort_sent = False
-        self.sink: Callable[[Delta], bool] | None = None
-        self.direct = False  # the reader may hand a delta to ``sink`` now
 
     def stop_accepting(self) -> None:
         self.accepting = False
@@ -343,10 +340,14 @@ class NativeDeltaStream:
         must not raise or block; returning False means it did not take the
         delta, which is then queued as usual -- and so is everything after it,
         until this stream's reader has caught up and waits again, so the order
-        of the deltas always holds.  The terminal delta and errors are always
-        queued.
+        of the deltas always holds (the hand-off channel's rule).  The terminal
+        delta and errors are always queued.
         """
-        self._pending.sink = sink
+
+        def take(reply: _Reply) -> bool:
+            return type(reply) is Delta and reply.finish_reason is None and sink(reply)
+
+        self._pending.receive_channel.attach(take)
 
     async def receive(self) -> Delta:
         """The next delta.
@@ -361,11 +362,7 @@ class NativeDeltaStream:
         Backpressure: none towards the worker; a reader that falls
         ``request_buffer`` replies behind gets ``StreamOverrun``.
         """
-        pending = self._pending
-        if pending.sink is not None:
-            # Caught up (nothing queued): the sink may take the next deltas.
-            pending.direct = not pending.receive_channel.statistics().current_buffer_used
-        reply = await pending.receive()
+        reply = await self._pending.receive()
         assert isinstance(reply, Delta)  # the reader checked the reply kind
         return reply
 

@@ -141,7 +141,7 @@ from .settings import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
     from types import TracebackType
 
     from ...lora import LoraAdapter
@@ -252,6 +252,18 @@ class OpenAIHttpDeltaStream:
                     stage="generate",
                     request_id=self._call.request_id,
                 ) from None
+
+    def receive_nowait(self) -> Delta:
+        """A delta already parsed from what was read (else ``trio.WouldBlock``); no read."""
+        if self._parser.terminal_sent:
+            raise trio.EndOfChannel
+        delta = self._parser.take()
+        if delta is None:
+            raise trio.WouldBlock
+        return delta
+
+    def set_sink(self, sink: Callable[[Delta], bool]) -> None:
+        """Nothing to do: the stream reads only when its reader asks (see ``DeltaStream``)."""
 
     def _failure(self, exc: HttpClientError) -> WorkerDisconnected | RemoteWorkerError:
         backend, request_id = self._backend, self._call.request_id

@@ -51,13 +51,13 @@ from ..health import is_backpressure
 from ..retry import RetryPolicy, counts_against_worker
 from ..routing import RouteKey, affinity_for_prompt, prompt_tokenizer
 from ..tracing import attempt_span
-from .jobs import Job, StageContext, StageEvent, StageFailure
+from .jobs import Job, StageContext, StageEvent, StageFailure, StageOutput
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
 
     from ...backends.base import StageBackend
-    from ...protocol import Delta, GenerateRequest
+    from ...protocol import GenerateRequest
     from ...request import GenerationRequest
     from ..config import Deadlines
     from ..encoder_cache import EncoderCache
@@ -266,13 +266,14 @@ class BaseActor:
     ) -> None:
         """Relay a generate request's deltas to the job's requester.
 
-        Non-final deltas go to ``job.output`` when the requester gave one (the
-        supervisor does: they reach the caller without waking the requester),
-        else on ``job.reply``; the final delta always goes on ``job.reply``.  A
+        With ``job.output`` (the supervisor gives one) every delta's content goes
+        there -- it reaches the caller without waking the requester -- and the
+        reply carries control only: a ``StageOutput`` with the finish reason and
+        usage after the last delta.  Without one, the deltas go on ``job.reply``.  A
         burst of deltas that already arrived is passed on without a scheduling
-        round per delta, when the stream offers ``receive_nowait``; a stream
-        that offers ``set_sink`` (the native one does) hands the deltas to
-        ``job.output`` itself, as they arrive, without waking this task.
+        round per delta (``receive_nowait``), and the stream hands deltas to
+        ``job.output`` itself (``set_sink``), as they arrive in its producer's
+        task, without waking this task while it waits with nothing queued.
 
         Backpressure: waits while the requester's buffer (the reply channel,
         or the caller's event channel behind ``job.output``) is full.
@@ -281,12 +282,8 @@ class BaseActor:
         """
         reply, output = job.reply, job.output
         async with backend.open_stream(request) as stream:
-            receive_nowait: Callable[[], Delta] | None = getattr(stream, "receive_nowait", None)
-            set_sink: Callable[[Callable[[Delta], bool]], None] | None = getattr(
-                stream, "set_sink", None
-            )
-            if output is not None and set_sink is not None:
-                set_sink(output.sink)
+            if output is not None:
+                stream.set_sink(output.sink)
             while True:
                 try:
                     delta = await stream.receive()
@@ -297,9 +294,17 @@ class BaseActor:
                     job.output_started |= output is not None and output.relayed
                 while True:
                     try:
-                        if output is not None and delta.finish_reason is None:
+                        if output is not None:
                             if not output.offer(delta):
                                 await output.put(delta)
+                            if delta.finish_reason is not None:
+                                end = StageOutput(
+                                    finish_reason=delta.finish_reason, usage=delta.usage
+                                )
+                                try:
+                                    reply.send_nowait(end)
+                                except trio.WouldBlock:
+                                    await reply.send(end)
                         else:
                             try:
                                 reply.send_nowait(delta)
@@ -313,10 +318,8 @@ class BaseActor:
                         return
                     if not job.output_started:
                         job.output_began()
-                    if receive_nowait is None:
-                        break
                     try:
-                        delta = receive_nowait()
+                        delta = stream.receive_nowait()
                     except trio.WouldBlock:
                         break
                     except trio.EndOfChannel:

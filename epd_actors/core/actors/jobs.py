@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import trio
 
-from ...protocol import Delta
+from ...protocol import Delta, Usage
 
 if TYPE_CHECKING:
     from ...errors import EpdError
@@ -39,11 +39,15 @@ class StageOutput:
         ec_transfer_params: merged into the context's encoder transfer params.
         kv_transfer_params: replaces the context's KV transfer params.
         prompt_tokens: the prompt length the stage measured, if it did.
+        finish_reason: an output stage's end (its deltas went on ``Job.output``).
+        usage: an output stage's token counts, when the worker gave them.
     """
 
     ec_transfer_params: dict[str, object] | None = None
     kv_transfer_params: dict[str, object] | None = None
     prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
 
 
 @dataclass(frozen=True, slots=True)
