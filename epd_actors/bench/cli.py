@@ -34,7 +34,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the ``bench`` subcommand."""
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", default="sim-model", help="the model field (default sim-model)")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""))
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", ""),
+        help="bearer token sent with every request (default: $OPENAI_API_KEY, else none)",
+    )
     parser.add_argument(
         "--endpoint", choices=["chat", "completions"], default="chat", help="default chat"
     )
@@ -43,10 +47,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--rate", type=float, default=None, help="open loop: Poisson req/s")
     amount = parser.add_mutually_exclusive_group()
     amount.add_argument("--requests", type=int, default=None, help="default 1000")
-    amount.add_argument("--duration", type=float, default=None, metavar="SECONDS")
+    amount.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="send for this long instead of a number of requests",
+    )
     parser.add_argument("--warmup", type=int, default=0, help="unrecorded requests first")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompt-words", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request")
+    parser.add_argument(
+        "--prompt-words", type=int, default=32, help="words in each generated prompt"
+    )
     parser.add_argument("--images", type=int, default=0, help="images per multimodal request")
     parser.add_argument("--image-bytes", type=int, default=64 * 1024, help="size of each PNG")
     parser.add_argument(
@@ -55,11 +67,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stream", action=argparse.BooleanOptionalAction, default=True, help="default: stream"
     )
-    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, metavar="SECONDS", help="per-request timeout"
+    )
     parser.add_argument(
         "--max-in-flight", type=int, default=4096, help="open loop: drop arrivals above this"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
     parser.add_argument("--json", default=None, metavar="PATH", help="write results here")
     parser.add_argument(
         "--records", action="store_true", help="include every request's record in the JSON"

@@ -679,6 +679,8 @@ class WsConnection:
             limits=settings.media,
             policy=settings.fields,
         )
+        if message.traceparent is not None:
+            parsed = replace(parsed, traceparent=message.traceparent)
         models = self._settings.models
         if models and parsed.model not in models:
             raise unknown_model(parsed.model)

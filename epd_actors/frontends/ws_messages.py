@@ -39,11 +39,17 @@ PONG: Final = '{"type":"pong"}'
 
 @dataclass(frozen=True, slots=True)
 class GenerateMessage:
-    """``{"type": "generate", "id", "kind", "request"}``; ``request`` is checked later."""
+    """``{"type": "generate", "id", "kind", "request", "traceparent"?}``.
+
+    ``request`` is checked later.  ``traceparent`` is the client's W3C trace
+    context (HTTP's ``traceparent`` header; there are no per-request headers
+    on a WebSocket): the request's trace continues the client's.
+    """
 
     id: str
     kind: RequestKind
     request: object
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +87,8 @@ def parse_client_message(data: str | bytes) -> ClientMessage:
 
     Raises:
         WsMessageError: not JSON, not an object, an unknown ``type``, a bad
-            ``id`` (``client_id`` is None), a bad ``kind`` (``client_id`` set),
+            ``id`` (``client_id`` is None), a bad ``kind`` or a ``traceparent``
+            that is not a string (``client_id`` set),
             or a lone surrogate in any string (see :func:`_surrogate_refusal`).
     """
     if not isinstance(data, str):
@@ -113,12 +120,20 @@ def parse_client_message(data: str | bytes) -> ClientMessage:
     if kind == "cancel":
         return CancelMessage(client_id)
     request_kind = fields.get("kind")
-    if request_kind == "chat" or request_kind == "completion":
-        return GenerateMessage(client_id, request_kind, fields.get("request"))
+    if request_kind != "chat" and request_kind != "completion":
+        raise WsMessageError(
+            "kind must be 'chat' or 'completion'",
+            code="invalid_message",
+            param="kind",
+            client_id=client_id,
+        )
+    traceparent = fields.get("traceparent")
+    if traceparent is None or isinstance(traceparent, str):
+        return GenerateMessage(client_id, request_kind, fields.get("request"), traceparent)
     raise WsMessageError(
-        "kind must be 'chat' or 'completion'",
+        "traceparent must be a string (a W3C trace context)",
         code="invalid_message",
-        param="kind",
+        param="traceparent",
         client_id=client_id,
     )
 

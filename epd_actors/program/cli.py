@@ -16,6 +16,7 @@ import resource
 import signal
 import sys
 from dataclasses import replace
+from typing import Any
 
 import trio
 
@@ -26,7 +27,7 @@ from ..errors import ConfigError
 from ..frontends.cors import CorsPolicy, parse_origins
 from ..logs import LOG_FORMATS, configure_logging
 from .check_config import add_check_config_arguments, check_topology, run_check_config
-from .config_file import FileConfig, load_config, parse_host_port
+from .config_file import FileConfig, ServerConfig, load_config, parse_host_port
 from .local import add_local_arguments, run_local
 from .process_child import child_spec, serve_child
 from .processes import child_command, run_processes, serve_processes_overrides
@@ -64,6 +65,26 @@ def _add_log_level(parser: argparse.ArgumentParser, default: object) -> None:
     )
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Ends each option's help with ``(default: X)`` unless the help already names its default.
+
+    Left off for options without a default (None, False, empty), required
+    ones and positionals.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or not action.option_strings
+            or action.required
+            or default in (None, False, "", argparse.SUPPRESS)
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     # After the command it overrides what came before it; absent, it leaves that alone.
@@ -72,17 +93,37 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m epd_actors",
         description="A Trio-native router for Encode/Prefill/Decode disaggregated LLM serving. "
         "Without a command: a local deployment on simulated workers.",
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"epd_actors {__version__}")
     _add_log_level(parser, "WARNING")
     commands = parser.add_subparsers(dest="command")
+    formats: dict[str, Any] = {"formatter_class": DefaultsHelpFormatter}
     local = commands.add_parser(
-        "local", parents=[common], help="(default) router + simulated workers on localhost"
+        "local",
+        parents=[common],
+        **formats,
+        help="(default) router + simulated workers on localhost",
     )
     add_local_arguments(local)
-    serve = commands.add_parser("serve", parents=[common], help="run the router from a config")
+    serve = commands.add_parser(
+        "serve", parents=[common], **formats, help="run the router from a config"
+    )
     serve.add_argument("--config", required=True, help="the TOML configuration file")
     serve.add_argument("--http-listen", default=None, help="HOST:PORT (overrides the file)")
+    serve.add_argument(
+        "--host",
+        default=None,
+        help="host of the HTTP listener, keeping the file's port (vLLM's spelling; "
+        "not with --http-listen)",
+    )
+    serve.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="port of the HTTP listener, keeping the file's host (vLLM's spelling; "
+        "not with --http-listen)",
+    )
     serve.add_argument("--ws-listen", default=None, help="HOST:PORT (overrides the file)")
     serve.add_argument(
         "--processes",
@@ -118,14 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="log one line per HTTP request (as [server] access_log = true), at any --log-level",
     )
-    worker = commands.add_parser("worker", parents=[common], help="run one native worker")
+    worker = commands.add_parser(
+        "worker", parents=[common], **formats, help="run one native worker"
+    )
     add_worker_arguments(worker)
     check = commands.add_parser(
-        "check-config", parents=[common], help="validate a configuration file"
+        "check-config", parents=[common], **formats, help="validate a configuration file"
     )
     add_check_config_arguments(check)
     bench = commands.add_parser(
-        "bench", parents=[common], help="load an OpenAI-compatible endpoint and summarise"
+        "bench",
+        parents=[common],
+        **formats,
+        help="load an OpenAI-compatible endpoint and summarise",
     )
     add_bench_arguments(bench)
     return parser
@@ -198,6 +244,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.http_listen:
             parse_host_port(args.http_listen, key="--http-listen")
             server = replace(server, http_listen=args.http_listen)
+        server = host_port_overrides(server, args.host, args.port, http_listen=args.http_listen)
         if args.ws_listen:
             parse_host_port(args.ws_listen, key="--ws-listen")
             server = replace(server, ws_listen=args.ws_listen)
@@ -226,9 +273,34 @@ def run_serve(args: argparse.Namespace) -> int:
         else:
             trio.run(serve_child, config, child)
     except* OSError as group:
-        print(f"epd_actors serve: cannot listen: {first_leaf(group)}", file=sys.stderr)
+        listeners = ", ".join(a for a in (server.http_listen, server.ws_listen) if a)
+        print(
+            f"epd_actors serve: cannot listen on {listeners}: {first_leaf(group)}",
+            file=sys.stderr,
+        )
         status = 2
     return status
+
+
+def host_port_overrides(
+    server: ServerConfig, host: str | None, port: int | None, *, http_listen: str | None
+) -> ServerConfig:
+    """``server`` with ``serve --host/--port`` laid over its ``http_listen``.
+
+    Raises:
+        ConfigError: given with ``--http-listen``, or a port out of range.
+    """
+    if host is None and port is None:
+        return server
+    if http_listen:
+        raise ConfigError("--host/--port and --http-listen set the same listener: give one")
+    file_host, file_port = parse_host_port(server.http_listen, key="[server] http_listen")
+    host = file_host if host is None else host.strip("[]")
+    port = file_port if port is None else port
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port: {port} is out of range")
+    listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return replace(server, http_listen=listen)
 
 
 async def _serve(config: FileConfig) -> None:

@@ -51,7 +51,12 @@ EXIT_ENGINE_CRASHED = 3
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the ``worker`` subcommand."""
-    parser.add_argument("--role", required=True, choices=[r.value for r in Role])
+    parser.add_argument(
+        "--role",
+        required=True,
+        choices=[r.value for r in Role],
+        help="the stage this worker serves (required)",
+    )
     parser.add_argument(
         "--engine", default="sim", choices=list(ENGINE_RUNNERS), help="engine (default sim)"
     )
@@ -80,9 +85,22 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept any client token (development only)",
     )
-    parser.add_argument("--max-concurrency", type=int, default=64)
-    parser.add_argument("--max-queued", type=int, default=256)
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
+    parser.add_argument(
+        "--max-concurrency", type=int, default=64, help="requests the engine runs at once"
+    )
+    parser.add_argument(
+        "--max-queued",
+        type=int,
+        default=256,
+        help="requests waiting for a slot before new ones are refused (overloaded)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may finish",
+    )
     parser.add_argument(
         "--heartbeat-delay", type=float, default=0.0, metavar="SECONDS", help="fault injection"
     )

@@ -36,7 +36,14 @@ PROTOCOL_VERSION = 2
 in version 2, the optional ``lora_adapter`` of prefill and generate requests
 (sent only for a request naming an adapter, so a worker that predates it
 serves every other request as before), and the optional ``options`` of
-encode requests (sent only for a request with processing options, likewise)."""
+encode requests (sent only for a request with processing options, likewise);
+later still, the optional ``traceparent`` of every stage request (sent only
+to a worker announcing :data:`TRACEPARENT_CAPABILITY`)."""
+
+TRACEPARENT_CAPABILITY: Final = "traceparent"
+"""The ``Welcome`` capability saying the worker takes a stage request's
+``traceparent``.  A router sends the field only to a worker announcing it: a
+worker that predates the field refuses unknown fields."""
 
 SUPPORTED_PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2)
 """Versions a worker accepts.  A version-1 client sends a subset of version 2
@@ -277,6 +284,11 @@ class EncodeRequest:
     the wire, when the request has none, so a worker that predates the field
     serves every other request as before.  An engine that cannot honour one
     refuses the request (``invalid_request``, ``param`` naming it).
+
+    ``traceparent`` (on every stage request) is the W3C trace context of the
+    router's attempt span, so the engine's own spans join the request's
+    trace; None, and left off the wire, for an untraced attempt or a worker
+    that does not announce :data:`TRACEPARENT_CAPABILITY`.
     """
 
     TAG: ClassVar[str] = "encode"
@@ -284,6 +296,7 @@ class EncodeRequest:
     media: tuple[MediaItem, ...]
     ec_transfer_params: dict[str, object] | None = None
     options: dict[str, object] | None = None
+    traceparent: str | None = None
 
     def __post_init__(self) -> None:
         require(len(self.media) >= 1, "encode needs at least one media item")
@@ -302,6 +315,7 @@ class PrefillRequest:
     ec_transfer_params: dict[str, object] | None = None
     options: dict[str, object] | None = None
     lora_adapter: str | None = None
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,6 +345,7 @@ class GenerateRequest:
     ec_transfer_params: dict[str, object] | None = None
     options: dict[str, object] | None = None
     lora_adapter: str | None = None
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from ..errors import ConnectionLost, EngineCrashed, EngineError, RemoteProtocolE
 from ..limits import CLEANUP_TIMEOUT_S, WORKER_DELTA_BUFFER
 from ..protocol import (
     SUPPORTED_PROTOCOL_VERSIONS,
+    TRACEPARENT_CAPABILITY,
     Abort,
     Aborted,
     Delta,
@@ -160,7 +161,7 @@ class Connection:
                 worker_id=config.worker_id,
                 role=self.engine.role.value,
                 model=self.engine.model,
-                capabilities=self.engine.capabilities,
+                capabilities=(*self.engine.capabilities, TRACEPARENT_CAPABILITY),
                 max_concurrency=config.max_concurrency,
             )
         )

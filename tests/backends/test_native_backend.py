@@ -34,6 +34,7 @@ from epd_actors.errors import (
 )
 from epd_actors.protocol import (
     PROTOCOL_VERSION,
+    TRACEPARENT_CAPABILITY,
     Abort,
     Aborted,
     Delta,
@@ -269,7 +270,9 @@ async def test_handshake_stores_welcome_and_heartbeats_report_load(autojump_cloc
     engine = ScriptedEngine(model="tiny", gate=trio.Event())
     server = make_server(engine, max_concurrency=7)
     async with harness(WorkerLink(server.handle_stream)) as backend:
-        assert backend.welcome == Welcome(PROTOCOL_VERSION, "w1", "decode", "tiny", (), 7)
+        assert backend.welcome == Welcome(
+            PROTOCOL_VERSION, "w1", "decode", "tiny", (TRACEPARENT_CAPABILITY,), 7
+        )
         await trio.testing.wait_all_tasks_blocked()
         assert backend.status() == BackendStatus(
             connected=True, draining=False, ready=True, worker_aborts=0, max_concurrency=7

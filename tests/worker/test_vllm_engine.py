@@ -187,6 +187,7 @@ class FakeAsyncLLM:
         request_id: str,
         *,
         tokenization_kwargs: dict[str, Any] | None = None,
+        **extra: Any,
     ) -> AsyncIterator[FakeOutput]:
         self._note_thread()
         kwargs = sampling_params.kwargs
@@ -196,6 +197,7 @@ class FakeAsyncLLM:
                 "prompt": prompt,
                 "kwargs": kwargs,
                 "tokenization_kwargs": tokenization_kwargs,
+                **extra,
             }
         )
         if self.fail_with is not None:

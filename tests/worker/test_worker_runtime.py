@@ -11,6 +11,7 @@ import trio.testing
 from epd_actors.errors import EngineCrashed
 from epd_actors.protocol import (
     PROTOCOL_VERSION,
+    TRACEPARENT_CAPABILITY,
     Abort,
     Aborted,
     Delta,
@@ -107,7 +108,9 @@ async def test_handshake_announces_worker() -> None:
     async with trio.open_nursery() as nursery:
         client = await connect(nursery, server)
         welcome = await receive(client)
-        assert welcome == Welcome(PROTOCOL_VERSION, "w1", "decode", "tiny", (), 7)
+        assert welcome == Welcome(
+            PROTOCOL_VERSION, "w1", "decode", "tiny", (TRACEPARENT_CAPABILITY,), 7
+        )
         await client.aclose()
 
 

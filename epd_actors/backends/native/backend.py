@@ -82,6 +82,7 @@ import enum
 import logging
 import random
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -101,6 +102,7 @@ from ...limits import CLEANUP_TIMEOUT_S
 from ...lora import announced_adapters
 from ...protocol import (
     PROTOCOL_VERSION,
+    TRACEPARENT_CAPABILITY,
     Abort,
     Aborted,
     Delta,
@@ -123,6 +125,7 @@ from ...protocol import (
     encode,
     merge_deltas,
 )
+from ...trace_context import CURRENT_TRACEPARENT
 from ...transport.framed import FramedStream
 from ..base import ANY_WORKER, BackendStatus, WorkerRequirement
 from .requests import (
@@ -840,6 +843,7 @@ class NativeBackend:
             raise LocalProtocolError(
                 f"request {message.request_id!r} is already in flight on worker {self.worker_id}"
             )
+        message = _traced(message, conn.welcome.capabilities)
         frame = self._encode(message)
         pending = _Pending(
             message,
@@ -906,3 +910,16 @@ class NativeBackend:
             del self._pending[pending.request_id]
         pending.stop_accepting()
         pending.receive_channel.close()
+
+
+def _traced(message: _Outgoing, capabilities: tuple[str, ...]) -> _Outgoing:
+    """``message`` with the current attempt's ``traceparent``, for a worker that takes it.
+
+    Unchanged for a ``Release``, outside a traced attempt, or for a worker
+    whose ``Welcome`` does not announce ``TRACEPARENT_CAPABILITY`` (one that
+    predates the field refuses unknown fields).
+    """
+    value = CURRENT_TRACEPARENT.get()
+    if value is None or isinstance(message, Release) or TRACEPARENT_CAPABILITY not in capabilities:
+        return message
+    return replace(message, traceparent=value)

@@ -160,8 +160,13 @@ class AsyncLLMLike(Protocol):
         request_id: str,
         *,
         tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutputLike]:
-        """Submit a request; iterate its outputs.  Cancelling the iteration aborts it."""
+        """Submit a request; iterate its outputs.  Cancelling the iteration aborts it.
+
+        ``trace_headers`` is passed only for a traced request (see
+        :func:`vllm_trace_headers`).
+        """
         ...
 
     async def abort(self, request_id: str) -> None:
@@ -217,19 +222,14 @@ ApiFactory = Callable[[list[str]], VllmApi]
 # ---------------------------------------------------------------- asyncio side (bridge thread)
 
 
-async def _final_output(
-    llm: AsyncLLMLike,
-    prompt: dict[str, Any],
-    params: Any,
-    request_id: str,
-    tokenization_kwargs: dict[str, Any] | None,
-) -> RequestOutputLike | None:
-    final: RequestOutputLike | None = None
-    async for output in llm.generate(
-        prompt, params, request_id, tokenization_kwargs=tokenization_kwargs
-    ):
-        final = output
-    return final
+def vllm_trace_headers(traceparent: str | None) -> dict[str, str] | None:
+    """The ``trace_headers`` vLLM's ``AsyncLLM.generate`` takes for a stage request.
+
+    vLLM (with ``--otlp-traces-endpoint``) extracts the W3C context from these
+    headers and makes its ``llm_request`` span a child of it; None (and the
+    argument left out, as older engines lack it) for an untraced request.
+    """
+    return None if traceparent is None else {"traceparent": traceparent}
 
 
 def _outputs(
@@ -238,8 +238,33 @@ def _outputs(
     params: Any,
     request_id: str,
     tokenization_kwargs: dict[str, Any] | None,
+    trace_headers: dict[str, str] | None = None,
 ) -> AsyncIterator[RequestOutputLike]:
-    return llm.generate(prompt, params, request_id, tokenization_kwargs=tokenization_kwargs)
+    if trace_headers is None:
+        return llm.generate(prompt, params, request_id, tokenization_kwargs=tokenization_kwargs)
+    return llm.generate(
+        prompt,
+        params,
+        request_id,
+        tokenization_kwargs=tokenization_kwargs,
+        trace_headers=trace_headers,
+    )
+
+
+async def _final_output(
+    llm: AsyncLLMLike,
+    prompt: dict[str, Any],
+    params: Any,
+    request_id: str,
+    tokenization_kwargs: dict[str, Any] | None,
+    trace_headers: dict[str, str] | None = None,
+) -> RequestOutputLike | None:
+    final: RequestOutputLike | None = None
+    async for output in _outputs(
+        llm, prompt, params, request_id, tokenization_kwargs, trace_headers
+    ):
+        final = output
+    return final
 
 
 async def _abort_all(llm: AsyncLLMLike, request_ids: list[str]) -> None:
@@ -364,7 +389,11 @@ class VllmEngine:
                 one = Prompt(messages=(ChatMessage("user", (0,)),))
                 rendered = await self._render(one, (item,), request.options)
                 final = await self._complete(
-                    f"{request.request_id}:{index}", rendered, params, live
+                    f"{request.request_id}:{index}",
+                    rendered,
+                    params,
+                    live,
+                    vllm_trace_headers(request.traceparent),
                 )
                 params_out = getattr(final, "ec_transfer_params", None)
                 merged.update(wire_params(params_out, "ec_transfer_params") or {})
@@ -409,7 +438,9 @@ class VllmEngine:
         )
         begun = trio.current_time()
         async with self._tracking(request.request_id) as live:
-            final = await self._complete(request.request_id, rendered, params, live)
+            final = await self._complete(
+                request.request_id, rendered, params, live, vllm_trace_headers(request.traceparent)
+            )
         now = trio.current_time()
         return StageResult(
             request.request_id,
@@ -461,6 +492,7 @@ class VllmEngine:
                 params,
                 request.request_id,
                 rendered.tokenization_kwargs,
+                vllm_trace_headers(request.traceparent),
                 max_buffer=self._stream_buffer,
             ) as stream:
                 while True:
@@ -578,7 +610,12 @@ class VllmEngine:
         self._counts["vllm_requests"] += 1
 
     async def _complete(
-        self, vllm_id: str, rendered: RenderedPrompt, params: Any, live: set[str]
+        self,
+        vllm_id: str,
+        rendered: RenderedPrompt,
+        params: Any,
+        live: set[str],
+        trace_headers: dict[str, str] | None,
     ) -> RequestOutputLike:
         """Run one vLLM request to its final output (FINAL_ONLY mode)."""
         self._submitted(vllm_id, live)
@@ -590,6 +627,7 @@ class VllmEngine:
                 params,
                 vllm_id,
                 rendered.tokenization_kwargs,
+                trace_headers,
             )
         live.discard(vllm_id)
         if final is None or not final.finished:
