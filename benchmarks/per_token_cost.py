@@ -40,6 +40,7 @@ import trio
 
 from epd_actors.backends.openai_http.contract import DeltaParser
 from epd_actors.core.output_relay import OutputRelay
+from epd_actors.handoff import open_handoff
 from epd_actors.http.sse import SseDecoder
 from epd_actors.protocol import Delta, decode_body, encode
 from epd_actors.protocol.codec import HEADER
@@ -84,8 +85,9 @@ def relay_us(number: int, repeat: int) -> float:
     """Microseconds per one-token delta through ``OutputRelay.offer`` (inside Trio)."""
 
     async def measure() -> float:
-        send, _receive = trio.open_memory_channel[object](1)
-        relay = OutputRelay(send, _Progress(), 10.0, lambda event: True, **gap_record())  # type: ignore[arg-type]
+        send, receive = open_handoff[object](1)
+        receive.attach(lambda event: True)  # a front end that takes every event directly
+        relay = OutputRelay(send, _Progress(), 10.0, **gap_record())  # type: ignore[arg-type]
         delta = Delta("r", token_ids=(1234,), text=" token")
         return per_item(lambda: relay.offer(delta), 1, number, repeat)
 
@@ -96,8 +98,9 @@ def relay_calls(deltas: int = 1000) -> tuple[float, float]:
     """Python and C function calls per one-token delta through ``OutputRelay.offer``."""
 
     async def count() -> tuple[float, float]:
-        send, _receive = trio.open_memory_channel[object](1)
-        relay = OutputRelay(send, _Progress(), 10.0, lambda event: True, **gap_record())  # type: ignore[arg-type]
+        send, receive = open_handoff[object](1)
+        receive.attach(lambda event: True)  # a front end that takes every event directly
+        relay = OutputRelay(send, _Progress(), 10.0, **gap_record())  # type: ignore[arg-type]
         delta = Delta("r", token_ids=(1234,), text=" token")
         relay.offer(delta)  # the first delta: no gap yet
         calls = {"call": 0, "c_call": 0}
@@ -173,7 +176,7 @@ def main() -> None:
     connection.send(h11.Response(status_code=200, headers=[]))
     h11_us = per_item(lambda: connection.send(h11.Data(data=piece)), 1, number, repeat)
     print(f"SSE chunk framing     {h11_us:6.2f} µs   (h11.Data)")
-    print(f"relay a delta         {relay_us(number, repeat):6.2f} µs   (OutputRelay.offer, direct)")
+    print(f"relay a delta         {relay_us(number, repeat):6.2f} µs   (OutputRelay.offer, taken)")
     python_calls, c_calls = relay_calls()
     print(f"relay a delta         {python_calls:6.1f} Python calls, {c_calls:.1f} C calls")
     try:
