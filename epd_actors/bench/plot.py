@@ -79,7 +79,7 @@ def plot_sweep(path: str, points: Sequence[tuple[SweepPoint, Summary]], *, title
     throughput.plot(xs, [s.request_rate for s in summaries], marker="o", label="req/s")
     throughput.set_title("throughput (req/s)")
     tokens = throughput.twinx()
-    tokens.plot(xs, [s.output_token_rate for s in summaries], marker="s", color="tab:orange")
+    tokens.plot(xs, [s.output_token_rate for s in summaries], "s--", color="tab:orange")
     tokens.set_ylabel("output tokens/s", color="tab:orange")
     spread = max(xs) / min(xs)
     for axis in axes:
