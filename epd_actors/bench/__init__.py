@@ -2,7 +2,10 @@
 
 :mod:`.client` (a lean h11 client that scans SSE cheaply), :mod:`.payload`
 (request bodies, synthetic images), :mod:`.runner` (closed and open loop),
-:mod:`.stats` (records and summaries, pure), :mod:`.cli` (the command).
+:mod:`.stats` (records and summaries, pure), :mod:`.progress` (the
+terminal's progress line), :mod:`.sweep` (``--sweep`` points and their
+table, pure), :mod:`.plot` (``--plot``, matplotlib from the optional
+``bench`` extra), :mod:`.cli` (the command).
 docs/benchmarks.md has the method and the numbers.
 """
 

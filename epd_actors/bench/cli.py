@@ -5,6 +5,8 @@ Examples::
     python -m epd_actors bench --url http://127.0.0.1:8000 --concurrency 32 --requests 2000
     python -m epd_actors bench --url http://127.0.0.1:8000 --rate 200 --duration 30 \\
         --images 1 --image-bytes 200000 --mm-fraction 0.5 --json out.json
+    python -m epd_actors bench --url http://127.0.0.1:8000 --sweep concurrency=1,4,16 \\
+        --requests 500 --plot sweep.png
 
 Run it on its own core (``taskset -c 1 python -m epd_actors bench ...``) so it
 does not compete with the server; it prints its own CPU use (docs/benchmarks.md).
@@ -23,8 +25,11 @@ import trio
 
 from .client import Target
 from .payload import Workload
-from .runner import LoadSpec, RunResult, is_finite_positive, progress_stream, run_load
+from .plot import PlotUnavailable, plot_sweep, require_pyplot
+from .progress import progress_stream
+from .runner import LoadSpec, RunResult, is_finite_positive, run_load
 from .stats import format_summary, parse_percentiles, parse_slos, summarize
+from .sweep import SWEEPABLE, SweepPoint, format_sweep_table, single_point, sweep_points
 
 if TYPE_CHECKING:
     from .stats import RequestRecord, Summary
@@ -105,6 +110,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="progress line (default: when stdout is a terminal)",
     )
+    parser.add_argument(
+        "--sweep",
+        default=None,
+        metavar="NAME=V1,V2,...",
+        help=f"one run per value, then a table with a row per run (NAME: {', '.join(SWEEPABLE)}; "
+        "e.g. concurrency=1,4,16 or rate=5,10,20); replaces --concurrency and --rate",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="draw TTFT and ITL percentiles and throughput per run (sweep point) to this PNG "
+        "(needs the bench extra: matplotlib)",
+    )
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -126,9 +145,13 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--images needs --endpoint chat"
     if args.max_failure_ratio is not None and not 0.0 <= args.max_failure_ratio <= 1.0:
         return "--max-failure-ratio must be in [0, 1]"
+    if args.sweep is not None and (args.concurrency is not None or args.rate is not None):
+        return "--sweep sets the load of each run: drop --concurrency and --rate"
     try:
         parse_slos(args.goodput or ())
         parse_percentiles(args.percentiles)
+        if args.sweep is not None:
+            sweep_points(LoadSpec(), args.sweep)
     except ValueError as exc:
         return str(exc)
     return None
@@ -223,24 +246,23 @@ def result_json(
     return document
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    """Entry point of ``python -m epd_actors bench``; returns the exit status."""
-    problem = _check(args)
-    if problem is not None:
-        print(f"epd_actors bench: {problem}", file=sys.stderr)
-        return 2
-    workload = workload_from_args(args)
-    load = load_from_args(args)
-    try:
-        target = Target.from_url(args.url, workload.path, api_key=args.api_key)
-    except ValueError as exc:
-        print(f"epd_actors bench: {exc}", file=sys.stderr)
-        return 2
+def _points(args: argparse.Namespace) -> list[SweepPoint]:
+    base = load_from_args(args)
+    return sweep_points(base, args.sweep) if args.sweep else [single_point(base)]
+
+
+def _run_point(
+    args: argparse.Namespace, target: Target, workload: Workload, point: SweepPoint
+) -> RunResult:
+    """One run (one sweep point), summarised and printed."""
+    load = point.load
     mode = f"rate {load.rate:g}/s" if load.rate is not None else f"concurrency {load.concurrency}"
     amount = f"{load.requests} requests" if load.requests else f"{load.duration_s:g} s"
     title = f"bench {target.url}: {mode}, {amount}, max_tokens {workload.max_tokens}"
+    label = point.label if args.sweep else ""
+    progress = progress_stream(args.progress)
     result = trio.run(
-        lambda: run_load(target, workload, load, progress=progress_stream(args.progress))
+        lambda: run_load(target, workload, load, progress=progress, progress_label=label)
     )
     result.summary = summarize(
         result.records,
@@ -250,15 +272,61 @@ def run_bench(args: argparse.Namespace) -> int:
         slos=parse_slos(args.goodput or ()),
     )
     print(format_summary(result.summary, title=title), flush=True)
+    return result
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Entry point of ``python -m epd_actors bench``; returns the exit status.
+
+    With ``--sweep`` the points run one after another (each its own warm-up
+    and connections), a table follows, ``--json`` writes a list with one
+    document per point, and the status is 1 when any point failed.
+    """
+    problem = _check(args)
+    if problem is not None:
+        print(f"epd_actors bench: {problem}", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            require_pyplot()
+        except PlotUnavailable as exc:
+            print(f"epd_actors bench: {exc}", file=sys.stderr)
+            return 2
+    workload = workload_from_args(args)
+    points = _points(args)
+    try:
+        target = Target.from_url(args.url, workload.path, api_key=args.api_key)
+    except ValueError as exc:
+        print(f"epd_actors bench: {exc}", file=sys.stderr)
+        return 2
+    runs = []
+    for point in points:
+        if args.sweep:
+            print(f"\n== {point.label}", flush=True)
+        runs.append((point, _run_point(args, target, workload, point)))
+    if args.sweep:
+        print("\n" + format_sweep_table([(p, r.summary) for p, r in runs]), flush=True)
     if args.json:
+        documents = [result_json(args, workload, p.load, r) for p, r in runs]
+        for document, (point, _) in zip(documents, runs, strict=True):
+            if args.sweep:
+                document["point"] = {"name": point.name, "value": point.value}
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result_json(args, workload, load, result), handle, indent=1)
+            json.dump(documents if args.sweep else documents[0], handle, indent=1)
             handle.write("\n")
-    status = exit_status(result.summary, args.max_failure_ratio)
-    if status and result.summary.completed:
-        print(
-            f"epd_actors bench: {result.summary.failure_ratio:.1%} of the requests failed, "
-            f"more than --max-failure-ratio {args.max_failure_ratio:g}",
-            file=sys.stderr,
-        )
+    if args.plot:
+        title = f"bench {target.url}, max_tokens {workload.max_tokens}"
+        plot_sweep(args.plot, [(p, r.summary) for p, r in runs], title=title)
+        print(f"plot written to {args.plot}", flush=True)
+    status = 0
+    for point, result in runs:
+        point_status = exit_status(result.summary, args.max_failure_ratio)
+        if point_status and result.summary.completed:
+            where = f"{point.label}: " if args.sweep else ""
+            print(
+                f"epd_actors bench: {where}{result.summary.failure_ratio:.1%} of the requests "
+                f"failed, more than --max-failure-ratio {args.max_failure_ratio:g}",
+                file=sys.stderr,
+            )
+        status = max(status, point_status)
     return status

@@ -8,7 +8,7 @@ of mean ``1 / rate`` and starts each request in its own task, whatever is in
 flight (beyond ``max_in_flight`` a request is recorded as dropped rather than
 sent, so an overloaded server cannot make the generator grow without bound).
 The generator's own CPU time (``os.times``) is taken around the measured
-phase.  A progress line is redrawn twice a second when asked for.
+phase.  A progress line (:mod:`.progress`) is redrawn when asked for.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
@@ -24,12 +23,11 @@ import trio
 
 from .client import LoadClient, Target, open_client, send_request
 from .payload import BodyMaker, Workload
+from .progress import ProgressLine
 from .stats import RequestRecord, Summary, summarize
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-PROGRESS_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,36 +65,6 @@ class RunResult:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-class _Progress:
-    def __init__(self, out: TextIO | None, total: int | None) -> None:
-        self.out = out
-        self.total = total
-        self.done = 0
-        self.failed = 0
-        self.in_flight = 0
-
-    def line(self, elapsed: float) -> str:
-        total = "" if self.total is None else f"/{self.total}"
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        return (
-            f"\r{self.done}{total} done, {self.failed} failed, {self.in_flight} in flight, "
-            f"{elapsed:5.1f} s, {rate:7.1f} req/s "
-        )
-
-    async def run(self, started: float) -> None:
-        if self.out is None:
-            return
-        while True:
-            await trio.sleep(PROGRESS_INTERVAL_S)
-            self.out.write(self.line(trio.current_time() - started))
-            self.out.flush()
-
-    def clear(self) -> None:
-        if self.out is not None:
-            self.out.write("\r" + " " * 79 + "\r")
-            self.out.flush()
-
-
 class _Budget:
     """Hands out request slots until the count or the deadline is reached."""
 
@@ -127,9 +95,14 @@ async def run_load(
     load: LoadSpec,
     *,
     progress: TextIO | None = None,
+    progress_label: str = "",
     cpu_clock: Callable[[], float] = cpu_seconds,
 ) -> RunResult:
-    """Run the warm-up and the measured phase; returns the measured records and summary."""
+    """Run the warm-up and the measured phase; returns the measured records and summary.
+
+    ``progress`` gets the progress line (None: no line), ``progress_label``
+    prefixes it.
+    """
     if load.requests is None and load.duration_s is None:
         raise ValueError("give a request count or a duration")
     bodies = BodyMaker(workload, seed=load.seed)
@@ -137,9 +110,9 @@ async def run_load(
     try:
         if load.warmup > 0:
             warm = LoadSpec(concurrency=max(1, load.concurrency), requests=load.warmup)
-            await _closed_loop(pool, bodies, workload, warm, [], _Progress(None, None))
+            await _closed_loop(pool, bodies, workload, warm, [], ProgressLine(None, None))
         records: list[RequestRecord] = []
-        meter = _Progress(progress, load.requests)
+        meter = ProgressLine(progress, load.requests, progress_label)
         cpu0 = cpu_clock()
         started = trio.current_time()
         async with trio.open_nursery() as nursery:
@@ -165,7 +138,7 @@ async def _one(
     workload: Workload,
     load: LoadSpec,
     started: float,
-    meter: _Progress,
+    meter: ProgressLine,
 ) -> RequestRecord:
     record = RequestRecord(start=trio.current_time() - started)
     meter.in_flight += 1
@@ -189,7 +162,7 @@ async def _closed_loop(
     workload: Workload,
     load: LoadSpec,
     records: list[RequestRecord],
-    meter: _Progress,
+    meter: ProgressLine,
     started: float | None = None,
 ) -> None:
     begin = trio.current_time() if started is None else started
@@ -211,7 +184,7 @@ async def _open_loop(
     workload: Workload,
     load: LoadSpec,
     records: list[RequestRecord],
-    meter: _Progress,
+    meter: ProgressLine,
     started: float,
 ) -> None:
     assert load.rate is not None
@@ -238,13 +211,6 @@ async def _open_loop(
                 meter.failed += 1
                 continue
             nursery.start_soon(request, bodies.next_body())
-
-
-def progress_stream(enabled: bool | None) -> TextIO | None:
-    """stdout when ``enabled`` (None: when stdout is a terminal)."""
-    if enabled is None:
-        enabled = sys.stdout.isatty()
-    return sys.stdout if enabled else None
 
 
 def is_finite_positive(value: float) -> bool:
