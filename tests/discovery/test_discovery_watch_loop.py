@@ -109,7 +109,7 @@ async def test_start_once_reports_started_on_the_first_call_only() -> None:
 
     async def task(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         started = StartOnce(task_status)
-        assert not started.done
+        calls.append(f"done={started.done}")
         started()
         calls.append("started")
         started()  # a second report would raise RuntimeError
@@ -118,4 +118,4 @@ async def test_start_once_reports_started_on_the_first_call_only() -> None:
 
     async with trio.open_nursery() as nursery:
         await nursery.start(task)
-    assert calls == ["started", "again"]
+    assert calls == ["done=False", "started", "again"]
