@@ -28,6 +28,7 @@ single exception from this tree::
     │   └── AttemptTimeout            one worker did not answer a stage attempt in time
     ├── RequestCancelled              the caller or the router cancelled the request
     ├── ActorCrashed                  the stage actor holding the job crashed (restarted)
+    ├── InternalError                 a router bug: one part broke its contract with another (500)
     ├── EngineError                   raised inside a worker by its engine; becomes an ErrorReply
     └── EngineCrashed                 the engine died; the worker goes down without goodbye
 """
@@ -273,3 +274,9 @@ class EngineCrashed(EpdError):
 
 class ActorCrashed(EpdError):
     """The stage actor running a request's job crashed; it is being restarted."""
+
+
+class InternalError(EpdError):
+    """A router bug: one part broke its contract with another (a stage actor
+    replied with a ``Delta`` instead of its ``StageOutput``).  The request it
+    hit fails; nothing is retried.  Maps to HTTP 500."""

@@ -8,9 +8,10 @@ one more task wake-up per delta; instead the supervisor hands the output job an
 :class:`OutputRelay` (``Job.output``), and the job's own task puts each
 non-final delta on the request's event channel as a ``DeltaEvent``, doing the
 supervisor's bookkeeping (first-token time, tokens so far) as it goes.  The
-job's final delta still travels on the job's reply channel, so the supervisor
-sees the end of the stage, takes over the job's compensations and sends the
-usage and done events after the last ``DeltaEvent``: the order the caller sees
+job's reply channel carries only the end (a ``StageOutput`` with the finish
+reason and usage, after the last delta), so the supervisor sees the end of
+the stage, takes over the job's compensations and sends the usage and done
+events after the last ``DeltaEvent``: the order the caller sees
 is the order the worker produced.  The supervisor closes the relay
 (:meth:`OutputRelay.close`) when it is done with the job, before it sends
 anything else, so a delta of a job being cancelled never follows that.

@@ -23,12 +23,14 @@ before any stage runs; workers that are merely busy do not count.
 *Pipelines.*  :meth:`Supervisor.generate` runs one request in a task of its own
 under one cancel scope with the request's deadline.  For each stage in the
 plan it submits one job per item the actor splits the context into (fan-out
-runs concurrently) and folds each job's ``StageOutput`` into the context.  The
-output stage's job puts its deltas on the caller's event channel itself,
-through an :class:`~.output_relay.OutputRelay`, under the inter-token timeout
-the supervisor keeps on the relay's behalf (the first-token deadline belongs to
-each attempt, in the actor, so that a hung decoder's job moves elsewhere).  Every
-request ends with exactly one final event: ``DoneEvent`` (after a
+runs concurrently) and folds each job's one reply, its ``StageOutput``, into
+the context (a ``StageFailure`` fails the stage; anything else on a reply, such
+as a ``Delta``, is an actor bug: ``InternalError``).  The output stage's job
+puts its deltas on the caller's event channel itself, through an
+:class:`~.output_relay.OutputRelay`, under the inter-token timeout the
+supervisor keeps on the relay's behalf (the first-token deadline belongs to
+each attempt, in the actor, so that a hung decoder's job moves elsewhere).
+Every request ends with exactly one final event: ``DoneEvent`` (after a
 ``UsageEvent``) or ``ErrorEvent``.
 
 *Hand-offs refused.*  A stage that refuses what an earlier stage handed it
@@ -74,6 +76,7 @@ from ..errors import (
     ConfigError,
     EpdError,
     HandoffRejected,
+    InternalError,
     ModelNotFound,
     Overloaded,
     RequestCancelled,
@@ -81,7 +84,7 @@ from ..errors import (
 )
 from ..handoff import HandoffReceiver, HandoffSender, open_handoff
 from ..limits import REQUEST_EVENT_BUFFER
-from ..protocol import Delta, Usage
+from ..protocol import Usage
 from ..request import (
     DoneEvent,
     ErrorEvent,
@@ -741,36 +744,24 @@ class Supervisor:
         )
         try:
             async with submitted as (job, replies):
-                while True:
-                    try:
-                        event = await self._next_event(actor, replies, relay)
-                    except StageTimeout:
-                        job.timed_out = True  # the worker's breaker counts it (read on release)
-                        raise
-                    # Then every event already queued behind it, without waiting.
-                    while True:
-                        if event is None:
-                            if relay.caller_left:
-                                raise trio.BrokenResourceError(
-                                    "the caller closed its event channel"
-                                )
-                            raise ActorCrashed(
-                                f"{actor.stage} actor ended request {record.request.request_id}'s "
-                                "job without an answer"
-                            )
-                        if await self._absorb(event, context, record, relay):
-                            self._take_over(actor, job, event, record)
-                            if job.started_at is not None:
-                                waits.append(job.started_at - job.enqueued_at)
-                            if job.worker_id is not None:
-                                workers.append(job.worker_id)
-                            return
-                        try:
-                            event = replies.receive_nowait()
-                        except trio.WouldBlock:
-                            break
-                        except trio.EndOfChannel:
-                            event = None
+                try:
+                    event = await self._next_event(actor, replies, relay)
+                except StageTimeout:
+                    job.timed_out = True  # the worker's breaker counts it (read on release)
+                    raise
+                if event is None:
+                    if relay.caller_left:
+                        raise trio.BrokenResourceError("the caller closed its event channel")
+                    raise ActorCrashed(
+                        f"{actor.stage} actor ended request {record.request.request_id}'s "
+                        "job without an answer"
+                    )
+                self._absorb(actor, event, context, record)
+                self._take_over(actor, job, event, record)
+                if job.started_at is not None:
+                    waits.append(job.started_at - job.enqueued_at)
+                if job.worker_id is not None:
+                    workers.append(job.worker_id)
         finally:
             relay.close()  # a late delta must not follow what the supervisor sends next
 
@@ -823,26 +814,34 @@ class Supervisor:
             f"no inter token within {deadlines.inter_token_timeout_s:g}s", phase="inter_token"
         )
 
-    async def _absorb(
-        self, event: StageEvent, context: StageContext, record: _RequestRecord, relay: OutputRelay
-    ) -> bool:
-        """Apply one stage event; True when it was the job's final event."""
-        if isinstance(event, Delta):
-            if not relay.offer(event):  # the caller takes a burst in one wake-up
-                await relay.put(event)
-            if event.finish_reason is None:
-                return False
-            record.finish_reason = event.finish_reason
-            record.usage = event.usage
-            return True
+    def _absorb(
+        self, actor: BaseActor, event: StageEvent, context: StageContext, record: _RequestRecord
+    ) -> None:
+        """Apply a job's one reply, its final event.
+
+        Raises:
+            EpdError: the job's failure (a ``StageFailure``).
+            InternalError: the reply is a ``Delta``: deltas travel only on the
+                output path (``Job.output``), so the actor broke its contract.
+        """
+        if isinstance(event, StageFailure):
+            raise event.error
         if isinstance(event, StageOutput):
             context.absorb(event)
             if event.finish_reason is not None:  # an output stage's end
                 record.finish_reason = event.finish_reason
                 record.usage = event.usage
-            return True
-        assert isinstance(event, StageFailure)
-        raise event.error
+            return
+        logger.error(
+            "%s actor replied to request %s's job with a %s; deltas go on the output path",
+            actor.stage,
+            record.request.request_id,
+            type(event).__name__,
+        )
+        raise InternalError(
+            f"{actor.stage} actor replied to request {record.request.request_id}'s job "
+            f"with a {type(event).__name__}, not a StageOutput or StageFailure"
+        )
 
     async def _compensate(self, record: _RequestRecord) -> None:
         """Undo what finished stages left behind (shielded, bounded)."""

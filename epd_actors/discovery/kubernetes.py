@@ -17,7 +17,8 @@ warning level (then at debug level until it answers again, which is logged
 once at info level), counted in ``epd_discovery_errors_total{pool}``, and
 ``epd_discovery_up{pool}`` drops to 0; the task retries after a jittered
 backoff (``backoff_start_s`` doubling to ``backoff_max_s``), resuming the
-watch from the version it had.
+watch from the version it had.  That handling is the one every kind shares
+(:mod:`~.watch_loop`).
 
 What was checked of lightkube (1.0, over httpx2 and httpcore2) to run it on
 Trio: httpcore2 picks its Trio network backend when Trio runs it
@@ -57,12 +58,13 @@ from lightkube.config.client_adapter import verify_cluster
 from lightkube.core.exceptions import ApiError
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 from lightkube.resources.discovery_v1 import EndpointSlice
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
 from ..errors import ConfigError
 from .base import Discovery, WorkerSink
 from .endpoints import SliceSet
 from .reconcile import Reconciler
+from .watch_loop import Backoff, SourceHealth, SourceMetrics, StartOnce
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Mapping
@@ -160,11 +162,8 @@ def open_client(settings: KubernetesSettings) -> AsyncClient:
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.errors = Counter(
-            "epd_discovery_errors",
-            "Failed list or watch requests to the discovery source, by pool",
-            ["pool"],
-            registry=registry,
+        self.source = SourceMetrics(
+            registry, errors_help="Failed list or watch requests to the discovery source, by pool"
         )
         self.relists = Counter(
             "epd_discovery_relists",
@@ -176,12 +175,6 @@ class _Metrics:
             "epd_discovery_events",
             "Watch events received, by pool and type",
             ["pool", "type"],
-            registry=registry,
-        )
-        self.up = Gauge(
-            "epd_discovery_up",
-            "1 while the discovery source answers for the pool, 0 while it does not",
-            ["pool"],
             registry=registry,
         )
 
@@ -216,24 +209,21 @@ class _PoolWatch:
         self.slices = SliceSet(port_name=pool.port, address_format=pool.address_format)
         self.reconciler = Reconciler(pool.stage, pool.model, pool.backend, label=pool.label)
         self.resource_version: str | None = None
-        self.up = False
-        self.failures = 0
+        self.health = SourceHealth(
+            pool.label, metrics.source, source="the API server", attempts="attempts", logger=logger
+        )
         self.lists = 0
-        self.errors = 0
         self.events = 0
-        self._errors = metrics.errors.labels(pool.label)
         self._relists = metrics.relists.labels(pool.label)
         self._events = metrics.events
-        self._up = metrics.up.labels(pool.label)
-        self._up.set(0)
 
     def statistics(self) -> PoolDiscoveryStatistics:
         return PoolDiscoveryStatistics(
             self.reconciler.workers,
-            self.up,
+            self.health.up,
             self.resource_version,
             self.lists,
-            self.errors,
+            self.health.errors,
             self.events,
         )
 
@@ -244,7 +234,7 @@ class _PoolWatch:
         self.lists += 1
         self._relists.inc()
         self.slices.replace_all(items)
-        self._succeeded()
+        self.health.succeeded()
         await self.reconciler.apply(sink, self.slices.workers())
         self.resource_version = version
 
@@ -270,7 +260,7 @@ class _PoolWatch:
                 async with aclosing(events_iter) as events:
                     async for event_type, obj in events:
                         if not seen:
-                            self._succeeded()
+                            self.health.succeeded()
                         seen += 1
                         self.events += 1
                         self._events.labels(self.pool.label, event_type).inc()
@@ -286,37 +276,11 @@ class _PoolWatch:
                 if exc.response.status_code == 410:
                     raise _Gone("resourceVersion too old") from None
                 raise
-        self._succeeded()
+        self.health.succeeded()
         return seen
 
-    def _succeeded(self) -> None:
-        if not self.up and self.failures:
-            logger.info(
-                "discovery of pool %s: the API server answers again after %d failed attempts",
-                self.pool.label,
-                self.failures,
-            )
-        self.up = True
-        self.failures = 0
-        self._up.set(1)
-
     def failed(self, exc: BaseException) -> None:
-        self.errors += 1
-        self._errors.inc()
-        self._up.set(0)
-        self.failures += 1
-        if self.up or self.failures == 1:
-            logger.warning(
-                "discovery of pool %s: the API server is unreachable or refused (%s: %s); "
-                "keeping the last view of %d workers and retrying",
-                self.pool.label,
-                type(exc).__name__,
-                exc,
-                len(self.reconciler.workers),
-            )
-        else:
-            logger.debug("discovery of pool %s: still failing: %r", self.pool.label, exc)
-        self.up = False
+        self.health.failed(f"{type(exc).__name__}: {exc}", workers=len(self.reconciler.workers))
 
 
 class KubernetesDiscovery(Discovery):
@@ -365,15 +329,13 @@ class KubernetesDiscovery(Discovery):
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         settings = self.settings
-        backoff = settings.backoff_start_s
-        started = False
+        backoff = Backoff(settings.backoff_start_s, settings.backoff_max_s, rng=self._rng)
+        started = StartOnce(task_status)
         while True:
             try:
                 if watch.resource_version is None:
                     await watch.relist(client, sink)
-                if not started:
-                    started = True
-                    task_status.started()
+                started()
                 seen = await watch.watch(client, sink)
             except _Gone as exc:
                 logger.info("discovery of pool %s: %s; listing again", watch.pool.label, exc)
@@ -381,13 +343,10 @@ class KubernetesDiscovery(Discovery):
                 continue
             except _API_ERRORS as exc:
                 watch.failed(exc)
-                if not started:
-                    started = True
-                    task_status.started()
-                await trio.sleep(backoff * (0.5 + 0.5 * self._rng.random()))
-                backoff = min(backoff * 2, settings.backoff_max_s)
+                started()
+                await backoff.wait()
                 continue
-            backoff = settings.backoff_start_s
+            backoff.reset()
             if not seen:
                 # A watch that ends at once, again and again, must not spin.
                 await trio.sleep(settings.backoff_start_s)

@@ -20,7 +20,8 @@ When Redis cannot be reached, answers late (each read is bounded by
 view), the failure is logged once at warning level (then at debug level
 until Redis answers again, which is logged once at info level), counted in
 ``epd_discovery_errors_total{pool}``, and ``epd_discovery_up{pool}`` drops to
-0 (the metrics of the ``kubernetes`` kind).  A Redis restarted empty removes
+0 (the handling every kind shares, :mod:`~.watch_loop`; a broken connection
+is opened again after one period).  A Redis restarted empty removes
 no worker: each registers again within a third of its TTL, before the grace
 of a missing record runs out.
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
 from ..core.backend_kinds import backend_kind
 from ..core.fleet.settings import redacted_url
@@ -52,6 +53,7 @@ from .registrations import (
     pool_key,
     worker_key,
 )
+from .watch_loop import Backoff, SourceHealth, SourceMetrics, StartOnce
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -80,21 +82,12 @@ def _holds_sink_failure(exc: BaseException) -> bool:
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.errors = Counter(
-            "epd_discovery_errors",
-            "Failed reads of the discovery source, by pool",
-            ["pool"],
-            registry=registry,
+        self.source = SourceMetrics(
+            registry, errors_help="Failed reads of the discovery source, by pool"
         )
         self.reads = Counter(
             "epd_discovery_reads",
             "Reads of a pool's registrations in Redis",
-            ["pool"],
-            registry=registry,
-        )
-        self.up = Gauge(
-            "epd_discovery_up",
-            "1 while the discovery source answers for the pool, 0 while it does not",
             ["pool"],
             registry=registry,
         )
@@ -123,26 +116,24 @@ class _PoolReader:
         self, pool: RedisPool, settings: RedisDiscoverySettings, metrics: _Metrics
     ) -> None:
         self.pool = pool
+        where = f"Redis at {redacted_url(settings.redis_url)}"
+        self.health = SourceHealth(
+            pool.label, metrics.source, source=where, attempts="reads", logger=logger
+        )
         self.prefix = settings.key_prefix
         self.index = pool_key(settings.key_prefix, pool.stage, pool.served_model)
         self.reconcilers: dict[str, Reconciler] = {}
-        self.up = False
-        self.failures = 0
         self.reads = 0
-        self.errors = 0
         self._skipped: dict[str, str] = {}
         self._known: dict[str, Registration] = {}
         self._absent_since: dict[str, float] = {}
-        self._errors = metrics.errors.labels(pool.label)
         self._reads = metrics.reads.labels(pool.label)
-        self._up = metrics.up.labels(pool.label)
-        self._up.set(0)
 
     def statistics(self) -> RedisPoolStatistics:
         workers: dict[str, bool] = {}
         for reconciler in self.reconcilers.values():
             workers.update(reconciler.workers)
-        return RedisPoolStatistics(workers, self.up, self.reads, self.errors)
+        return RedisPoolStatistics(workers, self.health.up, self.reads, self.health.errors)
 
     async def read(self, client: Any) -> list[Registration]:
         """The pool's readable records (raises a Redis error when Redis fails)."""
@@ -233,34 +224,11 @@ class _PoolReader:
     def succeeded(self) -> None:
         self.reads += 1
         self._reads.inc()
-        if not self.up and self.failures:
-            logger.info(
-                "discovery of pool %s: Redis answers again after %d failed reads",
-                self.pool.label,
-                self.failures,
-            )
-        self.up = True
-        self.failures = 0
-        self._up.set(1)
+        self.health.succeeded()
 
-    def failed(self, exc: BaseException, where: str) -> None:
-        self.errors += 1
-        self._errors.inc()
-        self._up.set(0)
-        self.failures += 1
-        if self.up or self.failures == 1:
-            workers = sum(len(r.workers) for r in self.reconcilers.values())
-            logger.warning(
-                "discovery of pool %s: %s is unreachable or refused (%s); "
-                "keeping the last view of %d workers and retrying",
-                self.pool.label,
-                where,
-                exc,
-                workers,
-            )
-        else:
-            logger.debug("discovery of pool %s: still failing: %s", self.pool.label, exc)
-        self.up = False
+    def failed(self, exc: BaseException) -> None:
+        workers = sum(len(r.workers) for r in self.reconcilers.values())
+        self.health.failed(str(exc), workers=workers)
 
 
 class RedisDiscovery(Discovery):
@@ -273,7 +241,6 @@ class RedisDiscovery(Discovery):
 
     def __init__(self, settings: RedisDiscoverySettings, registry: CollectorRegistry) -> None:
         self.settings = settings
-        self.where = f"Redis at {redacted_url(settings.redis_url)}"
         metrics = _Metrics(registry)
         self.pools = {pool.label: _PoolReader(pool, settings, metrics) for pool in settings.pools}
         self.cycles = 0
@@ -291,33 +258,31 @@ class RedisDiscovery(Discovery):
     async def run(
         self, sink: WorkerSink, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        started = False
+        started = StartOnce(task_status)
+        # A broken connection is opened again after one period, every time.
+        retry = Backoff(self.settings.period_s, self.settings.period_s)
         while True:
             try:
                 async with open_redis(self.settings.redis_url, self.settings.timeout_s) as client:
                     while True:
                         await self._cycle(client, sink)
-                        if not started:
-                            started = True
-                            task_status.started()
+                        started()
                         await trio.sleep(self.settings.period_s)
             except Exception as exc:  # the client's own tasks failed (or it could not open)
                 if _holds_sink_failure(exc):
                     raise
                 for reader in self.pools.values():
-                    reader.failed(_Unanswered(f"the connection broke: {exc!r}"), self.where)
+                    reader.failed(_Unanswered(f"the connection broke: {exc!r}"))
                 self._ended_cycle()
-                if not started:
-                    started = True
-                    task_status.started()
-                await trio.sleep(self.settings.period_s)
+                started()
+                await retry.wait()
 
     async def _cycle(self, client: Any, sink: WorkerSink) -> None:
         for reader in self.pools.values():
             try:
                 records = await self._bounded(reader.read(client))
             except _Unanswered as exc:
-                reader.failed(exc, self.where)
+                reader.failed(exc)
                 continue
             reader.succeeded()
             try:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import trio
 
-from ...errors import AttemptTimeout, ConfigError, EpdError, NoHealthyWorker
+from ...errors import AttemptTimeout, ConfigError, EpdError, InternalError, NoHealthyWorker
 from ...limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, JOB_REPLY_BUFFER
 from ..health import is_backpressure
 from ..retry import RetryPolicy, counts_against_worker
@@ -266,14 +266,18 @@ class BaseActor:
     ) -> None:
         """Relay a generate request's deltas to the job's requester.
 
-        With ``job.output`` (the supervisor gives one) every delta's content goes
-        there -- it reaches the caller without waking the requester -- and the
-        reply carries control only: a ``StageOutput`` with the finish reason and
-        usage after the last delta.  Without one, the deltas go on ``job.reply``.  A
+        Every delta's content goes on ``job.output`` (the supervisor gives an
+        output stage's job one) -- it reaches the caller without waking the
+        requester -- and the reply carries control only: a ``StageOutput`` with
+        the finish reason and usage after the last delta.  A
         burst of deltas that already arrived is passed on without a scheduling
         round per delta (``receive_nowait``), and the stream hands deltas to
         ``job.output`` itself (``set_sink``), as they arrive in its producer's
         task, without waking this task while it waits with nothing queued.
+
+        Raises:
+            InternalError: the job has no ``job.output`` (only an output stage's
+                job streams, and the supervisor gives each one a relay).
 
         Backpressure: waits while the requester's buffer (the reply channel,
         or the caller's event channel behind ``job.output``) is full.
@@ -281,9 +285,12 @@ class BaseActor:
         aborts the request on its worker.
         """
         reply, output = job.reply, job.output
+        if output is None:
+            raise InternalError(
+                f"{self.stage} job of {job.request_id} streams output but has no output relay"
+            )
         async with backend.open_stream(request) as stream:
-            if output is not None:
-                stream.set_sink(output.sink)
+            stream.set_sink(output.sink)
             while True:
                 try:
                     delta = await stream.receive()
@@ -291,25 +298,17 @@ class BaseActor:
                     return
                 finally:
                     # Deltas the stream handed to the relay itself count as output.
-                    job.output_started |= output is not None and output.relayed
+                    job.output_started |= output.relayed
                 while True:
                     try:
-                        if output is not None:
-                            if not output.offer(delta):
-                                await output.put(delta)
-                            if delta.finish_reason is not None:
-                                end = StageOutput(
-                                    finish_reason=delta.finish_reason, usage=delta.usage
-                                )
-                                try:
-                                    reply.send_nowait(end)
-                                except trio.WouldBlock:
-                                    await reply.send(end)
-                        else:
+                        if not output.offer(delta):
+                            await output.put(delta)
+                        if delta.finish_reason is not None:
+                            end = StageOutput(finish_reason=delta.finish_reason, usage=delta.usage)
                             try:
-                                reply.send_nowait(delta)
+                                reply.send_nowait(end)
                             except trio.WouldBlock:
-                                await reply.send(delta)
+                                await reply.send(end)
                     except trio.BrokenResourceError:
                         # The requester left; leaving the stream aborts the worker's
                         # side.  Raising here instead would surface through the

@@ -3,9 +3,12 @@
 A request's pipeline carries a :class:`StageContext` from stage to stage.  For
 each stage the supervisor submits one :class:`Job` per item the actor class
 splits the context into (one per media item for encode, one otherwise).  A job
-answers on its own bounded reply channel with :data:`StageEvent`s: zero or more
-``Delta``s (stages that produce the output), one :class:`StageOutput` (stages
-that hand something to later stages), or one :class:`StageFailure`.  The job
+answers on its own bounded reply channel with one :class:`StageOutput` (what it
+hands to later stages; an output stage's finish reason and usage) or one
+:class:`StageFailure`.  An output stage's deltas never travel there: they go on
+``Job.output`` (:mod:`~epd_actors.core.output_relay`); a ``Delta`` on a reply
+is an actor bug, which the supervisor fails the request with
+(``InternalError``).  The job
 closes its reply channel when it ends; a channel that closes without a final
 event means the actor crashed.
 """
