@@ -17,10 +17,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from epd_actors.backends.openai_http.backend import OpenAIHttpDeltaStream, OpenAIHttpSettings
-from epd_actors.protocol import Delta, Usage
+from epd_actors.backends.openai_http.backend import (
+    OpenAIHttpBackend,
+    OpenAIHttpDeltaStream,
+    OpenAIHttpSettings,
+)
+from epd_actors.errors import RemoteWorkerError
+from epd_actors.protocol import Delta, ErrorCode, GenerateRequest, Prompt, Usage
 from epd_actors.protocol.codec import encode
 from tests.backends.test_native_backend import FAST, RawWorker, WorkerLink, generate, harness
+from tests.http.test_openai_http_client import ready_backend
 
 if TYPE_CHECKING:
     from epd_actors.protocol import Message
@@ -119,3 +125,36 @@ async def test_vllm_chunks_of_one_read_are_one_delta_only_when_coalescing(
         assert seen == [*((f"w{n} ", (n,), None) for n in range(3)), ("", (), "stop")]
     assert deltas[-1].finish_reason == "stop"
     assert deltas[-1].usage == Usage(prompt_tokens=2, completion_tokens=3)
+
+
+def completion_chunk(text: str, token: int) -> bytes:
+    choice = {"index": 0, "text": text, "token_ids": [token], "finish_reason": None}
+    return b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("merge_reads", [True, False], ids=["ready", "off"])
+@pytest.mark.parametrize(
+    "bad", [b"data: not json\n\n", b"data: \xff\n\n"], ids=["not-json", "not-utf8"]
+)
+async def test_a_malformed_chunk_after_good_ones_is_a_protocol_error_in_both_modes(
+    merge_reads: bool, bad: bytes
+) -> None:
+    events = completion_chunk("w0 ", 0) + completion_chunk("w1 ", 1) + bad
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    reply = head + b"content-length: %d\r\n\r\n%s" % (len(events), events)
+    settings = OpenAIHttpSettings(health_interval_s=0.05, merge_reads=merge_reads)
+    got: list[str] = []
+
+    async def read_all(backend: OpenAIHttpBackend) -> None:
+        async with backend.open_stream(GenerateRequest("r1", Prompt(text="hi"))) as stream:
+            while True:
+                got.append((await stream.receive()).text)
+
+    async with ready_backend({b"/v1/completions": reply}, settings) as backend:
+        with pytest.raises(RemoteWorkerError) as caught:
+            await read_all(backend)
+    assert caught.value.code == ErrorCode.PROTOCOL_ERROR
+    # off: the chunks before the bad one come out one by one, then the error;
+    # ready, or bytes that do not even decode: the error, nothing of that read.
+    parsed_one_by_one = not merge_reads and b"not json" in bad
+    assert got == (["w0 ", "w1 "] if parsed_one_by_one else [])

@@ -243,24 +243,31 @@ class OpenAIHttpDeltaStream:
                 raise self._failure(exc) from exc
             if chunk is None:
                 return self._end()
-            events = self._decoder.feed(chunk)
-            if self._merge:
-                self._feed(events)
-            else:
-                self._unparsed.extend(events)
+            self._parse(chunk)
 
     def _take(self) -> Delta | None:
         """The parsed delta; without ``merge_reads``, parsing one more event at a time."""
         delta = self._parser.take()
         while delta is None and self._unparsed:
-            self._feed([self._unparsed.popleft()])
+            self._parse(None)
             delta = self._parser.take()
         return delta
 
-    def _feed(self, events: list[SseEvent]) -> None:
-        """Parse ``events``, their errors as the router's."""
+    def _parse(self, chunk: bytes | None) -> None:
+        """Decode and parse ``chunk`` (None: the next event read but not parsed yet).
+
+        Without ``merge_reads`` a chunk's events are only decoded here; they
+        are parsed one at a time, as deltas are taken.  Errors are the router's.
+        """
         try:
-            self._parser.feed(events)
+            if chunk is None:
+                self._parser.feed([self._unparsed.popleft()])
+                return
+            events = self._decoder.feed(chunk)
+            if self._merge:
+                self._parser.feed(events)
+            else:
+                self._unparsed.extend(events)
         except ReplyError as exc:  # off-contract bytes: the worker's protocol error
             raise self._backend._translate(exc, "generate", self._call.request_id) from exc
         except StreamFailed as exc:
