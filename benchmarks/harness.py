@@ -194,11 +194,14 @@ def start_scenario(
     vllm_router: str | None = None,
     router_wrapper: tuple[str, ...] = (),
     router_python: tuple[str, ...] = (),
+    server_lines: tuple[str, ...] = (),
 ) -> None:
     """Start the scenario's processes (stopped when ``stack`` closes); sets ``scenario.url``.
 
     ``router_wrapper`` goes before the router's own argv (e.g. a profiler's
-    ``record --``); ``router_python`` replaces its ``python -m epd_actors``.
+    ``record --``); ``router_python`` replaces its ``python -m epd_actors``;
+    ``server_lines`` are added to the router configuration's ``[server]`` table
+    (e.g. ``stream_coalescing = "off"``).
     """
     token = secrets.token_urlsafe(16)
     env = _env(token)
@@ -224,7 +227,9 @@ def start_scenario(
         _start_vllm_router(scenario, stack, endpoints, vllm_router, router_cores, env)
         return
     config = workdir / f"{scenario.name}.toml"
-    config.write_text(router_toml(endpoints, backend=scenario.kind), encoding="utf-8")
+    config.write_text(
+        router_toml(endpoints, backend=scenario.kind, server_lines=server_lines), encoding="utf-8"
+    )
     argv = router_argv(config, cores=router_cores, wrapper=router_wrapper, python=router_python)
     router = Process(argv, env=env, pattern=ROUTER_ANNOUNCE, cwd=scenario.source)
     stack.callback(router.stop)
@@ -313,14 +318,20 @@ def wait_healthy(url: str, popen: subprocess.Popen[bytes], timeout_s: float = 30
     return False
 
 
-def router_toml(endpoints: list[tuple[str, str, str]], *, backend: str) -> str:
-    """A router configuration over ``endpoints`` ((role, id, address)), listening on loopback."""
+def router_toml(
+    endpoints: list[tuple[str, str, str]], *, backend: str, server_lines: tuple[str, ...] = ()
+) -> str:
+    """A router configuration over ``endpoints`` ((role, id, address)), listening on loopback.
+
+    ``server_lines``: more ``key = value`` lines of its ``[server]`` table.
+    """
     lines = [
         'model = "sim-model"',
         'auth_token_env = "EPD_AUTH_TOKEN"',
         "",
         "[server]",
         'http_listen = "127.0.0.1:0"',
+        *server_lines,
         "",
     ]
     pools: dict[str, list[str]] = {}

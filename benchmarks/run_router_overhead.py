@@ -3,7 +3,11 @@
 Starts every scenario's simulated workers (and router) on loopback, warms
 each up, then measures in interleaved rounds (round 1: every scenario at
 every concurrency, then round 2, ...), so slow drifts of a shared machine
-hit every scenario alike; the report takes medians over rounds.  Writes
+hit every scenario alike; the report takes medians over rounds.  Each round
+runs the scenarios in its own shuffled order (``--seed``, printed), so no
+scenario always follows the same one (one measured right after ``direct``
+read 10-30 % high when the order was fixed).  ``--stream-coalescing off``
+writes ``[server] stream_coalescing = "off"`` into every router's configuration.  Writes
 ``benchmarks/results/<name>.json`` and, when matplotlib is importable, PNG
 plots next to it.  Stops everything on exit.
 
@@ -49,6 +53,7 @@ import json
 import math
 import os
 import platform
+import random
 import signal
 import subprocess
 import sys
@@ -173,6 +178,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--baseline-scenarios", default="", help="comma-separated")
     parser.add_argument("--out-dir", default=str(RESULTS), help="default benchmarks/results")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--stream-coalescing",
+        choices=("ready", "off"),
+        default="ready",
+        help="the routers' [server] stream_coalescing",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="of the per-round scenario order (default: random)"
+    )
     return parser.parse_args(argv)
 
 
@@ -195,6 +209,7 @@ def measure(scenario: Scenario, concurrency: int, args: argparse.Namespace, out:
         max_tokens=args.max_tokens,
         cores=args.bench_cores,
         out=out,
+        extra=("--records",),
     )
     cpu1 = cpu_seconds(router_pid) if router_pid else 0.0
     after = scrape_stage_metrics(metrics_url) if metrics_url else {}
@@ -202,6 +217,7 @@ def measure(scenario: Scenario, concurrency: int, args: argparse.Namespace, out:
     summary = document["summary"]
     completed = summary["completed"]
     router_cpu = cpu1 - cpu0
+    served = [r for r in document.get("records", []) if r.get("error") is None]
     return {
         "scenario": scenario.name,
         "concurrency": concurrency,
@@ -216,6 +232,7 @@ def measure(scenario: Scenario, concurrency: int, args: argparse.Namespace, out:
         "e2e_p50_ms": _ms(summary["e2e"]["p50"]),
         "e2e_p99_ms": _ms(summary["e2e"]["p99"]),
         "itl_p50_ms": _ms(summary["itl"]["p50"]),
+        "sse_events_per_req": (sum(r["events"] for r in served) / len(served) if served else None),
         "router_cpu_s": router_cpu if router_pid else None,
         "router_cpu_ms_per_req": (
             router_cpu / completed * 1000 if router_pid and completed else None
@@ -269,6 +286,7 @@ KEYS = (
     "router_cpu_util",
     "bench_cpu_util",
     "bench_cpu_ms_per_req",
+    "sse_events_per_req",
 )
 
 
@@ -276,8 +294,9 @@ def markdown_table(table: list[dict], standard: int) -> str:
     direct = {e["concurrency"]: e["req_per_s"] for e in table if e["scenario"] == "direct"}
     lines = [
         "| scenario | conc | req/s | vs direct | tokens/s | TTFT p50 ms | TTFT p99 ms "
-        "| e2e p50 ms | router CPU ms/req | router CPU util | bench CPU util | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| e2e p50 ms | router CPU ms/req | SSE events/req | router CPU util | bench CPU util "
+        "| errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in sorted(table, key=lambda e: (e["scenario"], e["concurrency"])):
         base = direct.get(e["concurrency"])
@@ -287,7 +306,8 @@ def markdown_table(table: list[dict], standard: int) -> str:
             f"| {e['scenario']} | {e['concurrency']}{mark} | {_f(e['req_per_s'], 0)} | {ratio} "
             f"| {_f(e['tokens_per_s'], 0)} | {_f(e['ttft_p50_ms'], 1)} | {_f(e['ttft_p99_ms'], 1)} "
             f"| {_f(e['e2e_p50_ms'], 1)} | {_f(e['router_cpu_ms_per_req'], 2)} "
-            f"| {_f(e['router_cpu_util'], 2)} | {_f(e['bench_cpu_util'], 2)} | {e['errors']} |"
+            f"| {_f(e.get('sse_events_per_req'), 1)} | {_f(e['router_cpu_util'], 2)} "
+            f"| {_f(e['bench_cpu_util'], 2)} | {e['errors']} |"
         )
     return "\n".join(lines)
 
@@ -425,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                 router_cores=args.router_cores,
                 worker_cores=args.worker_cores,
                 vllm_router=args.vllm_router,
+                server_lines=(f'stream_coalescing = "{args.stream_coalescing}"',),
             )
             warm = run_bench(
                 scenario.url,
@@ -439,9 +460,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{warm['summary']['completed']}/{warm['summary']['requests']} ok",
                 flush=True,
             )
+        seed = args.seed if args.seed is not None else random.randrange(2**32)
+        shuffler = random.Random(seed)
+        print(f"scenario order seed {seed}", flush=True)
         for round_index in range(args.rounds):
+            order = shuffler.sample(chosen, len(chosen))
+            print(f"round {round_index + 1} order: {', '.join(s.name for s in order)}", flush=True)
             for concurrency in concurrencies:
-                for scenario in chosen:
+                for scenario in order:
                     row = measure(scenario, concurrency, args, workdir / "run.json")
                     row["round"] = round_index
                     rows.append(row)
@@ -449,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"round {round_index + 1} {scenario.name:<12} c={concurrency:<4} "
                         f"{row['req_per_s']:8.1f} req/s  TTFT p50 {_f(row['ttft_p50_ms'], 1)} ms  "
                         f"router {_f(row['router_cpu_ms_per_req'], 2)} ms/req  "
+                        f"events {_f(row['sse_events_per_req'], 1)}/req  "
                         f"errors {row['requests'] - row['completed']}"
                         + _handoff_note(row["handoffs"]),
                         flush=True,
@@ -468,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
             "router_cores": args.router_cores,
             "bench_cores": args.bench_cores,
             "worker_cores": args.worker_cores,
+            "stream_coalescing": args.stream_coalescing,
+            "seed": seed,
         },
         "machine": machine(),
         "medians": table,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
 
 from ..core.fleet.view import fleet_view
+from ..openai.coalescing import check_stream_coalescing
 from ..openai.fields import STRICT_FIELDS, FieldPolicy
 from ..openai.media import MediaLimits
 from .cors import CorsPolicy
@@ -60,6 +61,9 @@ class HttpSettings:
         fields: what to do with request fields the router does not know
             (:class:`~epd_actors.openai.fields.FieldPolicy`: refused by default).
         cors: the origins browsers may call from (:mod:`.cors`; none by default).
+        stream_coalescing: ``ready`` (merge the deltas already queued into one
+            SSE event) or ``off`` (one SSE event per delta); set from ``[server]
+            stream_coalescing`` (:mod:`~epd_actors.openai.coalescing`).
     """
 
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -77,6 +81,10 @@ class HttpSettings:
     media: MediaLimits = field(default_factory=MediaLimits)
     fields: FieldPolicy = STRICT_FIELDS
     cors: CorsPolicy = field(default_factory=CorsPolicy)
+    stream_coalescing: str = "ready"
+
+    def __post_init__(self) -> None:
+        check_stream_coalescing(self.stream_coalescing, key="server.stream_coalescing")
 
 
 class HttpApp(Protocol):

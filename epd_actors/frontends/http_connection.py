@@ -34,7 +34,9 @@ answer, lingering up to ``linger_s`` so the client reads it instead of a reset.
 
 Streaming does no per-token work it can batch: after one event arrives, every
 event already queued is taken with ``receive_nowait()``, rendered by templating
-(:class:`~epd_actors.openai.format.SseFormatter`) and written with one ``send_all``.
+(:class:`~epd_actors.openai.format.SseFormatter`) and written with one ``send_all``;
+the batch's deltas become one SSE event, or one each with ``stream_coalescing =
+"off"`` (:mod:`~epd_actors.openai.coalescing`).
 Backpressure: the router's event channel is bounded and each write waits for
 the socket, so a slow client slows only its own request.
 """
@@ -538,6 +540,7 @@ class HttpConnection:
         direct = DirectSseWriter(
             frame, self.writer, formatter, logprobs=parsed.logprobs, exchange=self.exchange
         )
+        coalesce = self.settings.stream_coalescing == "ready"
         async with self.app.generate(parsed.request) as events:
             batch = await next_batch(events)
             if batch and isinstance(batch[0], ErrorEvent):
@@ -549,7 +552,7 @@ class HttpConnection:
             )
             text = formatter.start()
             while True:
-                more, final = render_batch(formatter, batch, parsed)
+                more, final = render_batch(formatter, batch, parsed, coalesce=coalesce)
                 data = head + frame((text + more).encode("utf-8", "replace"))
                 if final is not None:
                     self._note_served(final)

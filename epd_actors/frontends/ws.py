@@ -63,6 +63,7 @@ from trio_websocket import ConnectionClosed, Endpoint, wrap_server_stream
 
 from ..errors import ActorCrashed, ConfigError, EpdError, Overloaded, Unauthorized
 from ..openai.body_checks import unknown_model
+from ..openai.coalescing import check_stream_coalescing
 from ..openai.errors import HttpError
 from ..openai.fields import STRICT_FIELDS, FieldPolicy
 from ..openai.media import MediaLimits
@@ -75,6 +76,7 @@ from .ws_messages import (
     GenerateMessage,
     PingMessage,
     WsMessageError,
+    batch_messages,
     cancelled_message,
     compact_json,
     delta_messages,
@@ -143,6 +145,8 @@ class WsSettings:
             reading the socket (messages).
         media: media limits and the URL/path allow-list (as for HTTP).
         fields: what to do with request fields the router does not know (as for HTTP).
+        stream_coalescing: ``ready`` (merge the deltas already queued into one
+            message) or ``off`` (one message per delta); as for HTTP.
     """
 
     path: str = "/v1/ws"
@@ -157,8 +161,10 @@ class WsSettings:
     incoming_buffer: int = 4
     media: MediaLimits = field(default_factory=MediaLimits)
     fields: FieldPolicy = STRICT_FIELDS
+    stream_coalescing: str = "ready"
 
     def __post_init__(self) -> None:
+        check_stream_coalescing(self.stream_coalescing, key="server.stream_coalescing")
         if not self.path.startswith("/"):
             raise ConfigError(f"ws.path must start with '/', got {self.path!r}")
         for name in ("max_message_bytes", "max_generations", "outgoing_buffer", "incoming_buffer"):
@@ -699,7 +705,8 @@ class WsConnection:
         *,
         logprobs: bool,
     ) -> DoneEvent | ErrorEvent | None:
-        """Forward deltas (merging those already queued); return the final event.
+        """Forward deltas (merging those already queued, unless ``stream_coalescing`` is
+        ``off``); return the final event.
 
         While this task waits on an empty event channel, the task that produced
         a delta queues its message itself (the channel's taker, see
@@ -718,6 +725,7 @@ class WsConnection:
             self.deltas_direct += 1
             return True
 
+        coalesce = self._settings.stream_coalescing == "ready"
         events.attach(take)
         async for event in events:
             if isinstance(event, DoneEvent | ErrorEvent):
@@ -725,7 +733,7 @@ class WsConnection:
             if not isinstance(event, DeltaEvent):
                 continue  # UsageEvent: the done message carries the usage
             deltas, final = _drain(event, events)
-            messages = delta_messages(client_id, deltas, logprobs=logprobs)
+            messages = batch_messages(client_id, deltas, logprobs=logprobs, coalesce=coalesce)
             self.deltas_merged += len(deltas) - max(len(messages), 1)
             for text in messages:
                 await outgoing.send(text)

@@ -195,6 +195,21 @@ def delta_messages(client_id: str, deltas: Sequence[DeltaEvent], *, logprobs: bo
     return [delta_message(client_id, run, logprobs=logprobs) for run in runs if _has_output(run)]
 
 
+def batch_messages(
+    client_id: str, deltas: Sequence[DeltaEvent], *, logprobs: bool, coalesce: bool
+) -> list[str]:
+    """The ``delta`` messages of a batch of queued deltas, in order.
+
+    ``coalesce`` (``[server] stream_coalescing = "ready"``): merged as in
+    :func:`delta_messages`; False (``off``): one message per delta.
+    """
+    if coalesce:
+        return delta_messages(client_id, deltas, logprobs=logprobs)
+    return [
+        text for delta in deltas for text in delta_messages(client_id, [delta], logprobs=logprobs)
+    ]
+
+
 def delta_message(client_id: str, deltas: Sequence[DeltaEvent], *, logprobs: bool) -> str:
     """One ``delta`` message carrying ``deltas`` merged, in order.
 

@@ -8,7 +8,9 @@ writes per event: the front end takes every event already queued
 batch ends at the final event: ``DoneEvent`` renders the finish chunk, the
 usage chunk (when asked for), a ``: timings ...`` comment and ``data: [DONE]``;
 ``ErrorEvent`` renders the timings comment and an ``error`` event, and no
-``[DONE]``.
+``[DONE]``.  With coalescing (``[server] stream_coalescing = "ready"``, see
+:mod:`.coalescing`) the deltas of a batch render as one chunk wherever a merge
+keeps everything; without it (``off``), one chunk per delta.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Final
 
 from ..errors import ActorCrashed
 from ..request import DeltaEvent, DoneEvent, ErrorEvent, RequestTimings
+from .coalescing import coalesced
 from .errors import ErrorBody, error_response
 from .format import error_body
 
@@ -32,12 +35,23 @@ _NO_TIMINGS: Final = RequestTimings(
 
 
 def render_batch(
-    formatter: SseFormatter, batch: list[GenerationEvent], parsed: ParsedRequest
+    formatter: SseFormatter,
+    batch: list[GenerationEvent],
+    parsed: ParsedRequest,
+    *,
+    coalesce: bool = True,
 ) -> tuple[str, DoneEvent | ErrorEvent | None]:
-    """The SSE text of a batch of events, and its final event if it has one."""
+    """The SSE text of a batch of events, and its final event if it has one.
+
+    ``coalesce``: merge the batch's consecutive deltas into one chunk where a
+    merge keeps everything (:func:`.coalescing.coalesced`); False: one chunk
+    per delta.
+    """
     if not batch:
         error = ActorCrashed("the request ended without a final event")
         return formatter.error(stream_error_body(error)), ErrorEvent(error, _NO_TIMINGS)
+    if coalesce and len(batch) > 1:
+        batch = coalesced(batch)
     parts: list[str] = []
     for event in batch:
         if isinstance(event, DeltaEvent):

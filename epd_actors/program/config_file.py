@@ -43,6 +43,7 @@ from ..frontends.cors import CorsPolicy
 from ..frontends.http_app import HttpSettings
 from ..frontends.ws import WsSettings
 from ..lora import LoraAdapter
+from ..openai.coalescing import STREAM_COALESCING_MODES, check_stream_coalescing
 from ..openai.fields import UNKNOWN_FIELD_CHOICES, FieldPolicy
 from ..openai.media import MediaLimits, MediaPolicy
 
@@ -73,6 +74,12 @@ class ServerConfig:
         ssl_keyfile: its PEM private key (None: in ``ssl_certfile``).
         ws_on_http: the HTTP listener also serves the WebSocket API: a
             ``GET`` of ``ws.path`` with ``Upgrade: websocket`` (true by default).
+        stream_coalescing: ``ready`` (default): a response merges the deltas
+            already queued for it into one SSE event (WebSocket message), never
+            waiting for more; ``off``: one event per delta the router received
+            from its worker, and no backend merges the deltas of one read
+            (:mod:`~epd_actors.openai.coalescing`).  Copied into ``http``,
+            ``ws``, ``[native]`` and ``[openai_http]``.
     """
 
     http_listen: str = "127.0.0.1:8000"
@@ -86,6 +93,7 @@ class ServerConfig:
     ws_on_http: bool = True
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    stream_coalescing: str = "ready"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +135,14 @@ def parse_config(data: dict[str, object], *, environ: dict[str, str] | None = No
     retries = read_settings(top.table("retries"), RetryPolicy)
     health = read_settings(top.table("health"), HealthPolicy)
     admission = read_settings(top.table("admission"), AdmissionLimits)
-    native = read_settings(top.table("native"), NativeSettings)
+    # ``off``: the backends hand on each delta as received, unmerged.
+    merge_reads = server.stream_coalescing == "ready"
+    native = read_settings(top.table("native"), NativeSettings, merge_reads=merge_reads)
     openai_http_table = top.table("openai_http")
     api_key = openai_http_table.secret("api_key", env)
-    openai_http = read_settings(openai_http_table, OpenAIHttpSettings, api_key=api_key)
+    openai_http = read_settings(
+        openai_http_table, OpenAIHttpSettings, api_key=api_key, merge_reads=merge_reads
+    )
     shared_table = top.table("shared")
     redis_url = shared_table.secret("redis_url", env) or ""
     shared = read_settings(shared_table, SharedSettings, redis_url=redis_url)
@@ -197,6 +209,9 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
     if ssl_keyfile is not None and ssl_certfile is None:
         raise ConfigError(f"{table.key('ssl_keyfile')}: needs ssl_certfile too")
     fields = _field_policy(table)
+    coalescing = table.string("stream_coalescing", STREAM_COALESCING_MODES[0])
+    assert coalescing is not None
+    check_stream_coalescing(coalescing, key=table.key("stream_coalescing"))
     try:
         cors = CorsPolicy(table.strings("allowed_origins"))
     except ConfigError as exc:
@@ -211,8 +226,16 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
         media=media,
         fields=fields,
         cors=cors,
+        stream_coalescing=coalescing,
     )
-    ws = read_settings(table.table("ws"), WsSettings, api_keys=api_keys, media=media, fields=fields)
+    ws = read_settings(
+        table.table("ws"),
+        WsSettings,
+        api_keys=api_keys,
+        media=media,
+        fields=fields,
+        stream_coalescing=coalescing,
+    )
     table.done()
     return ServerConfig(
         http_listen,
@@ -226,6 +249,7 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
         ws_on_http=ws_on_http,
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
+        stream_coalescing=coalescing,
     )
 
 

@@ -692,7 +692,10 @@ async def stream_reply(app: ScriptedApp, body: dict[str, object], **options: obj
 
 async def test_sse_format_exactly() -> None:
     app = ScriptedApp([delta("Hel", 1), delta('lo "x"\n', 2), UsageEvent(Usage(3, 2)), done()])
-    reply = await stream_reply(app, {**CHAT, "stream_options": {"include_usage": True}})
+    off = HttpSettings(linger_s=0.5, stream_coalescing="off")  # one event per delta
+    reply = await stream_reply(
+        app, {**CHAT, "stream_options": {"include_usage": True}}, settings=off
+    )
     assert reply.status == 200
     assert reply.headers["content-type"] == "text/event-stream"
     assert reply.headers["cache-control"] == "no-cache"
@@ -751,7 +754,8 @@ async def test_queued_events_are_coalesced_into_one_write() -> None:
         app.feed.send_nowait(done())
         last_write = await client.stream.receive_some(1 << 20)
     assert first_write.startswith(b"HTTP/1.1 200 OK\r\n")
-    assert first_write.count(b"data: ") == 4  # role chunk + a, b, c
+    assert first_write.count(b"data: ") == 2  # role chunk + a, b, c merged (ready)
+    assert b'"content":"abc"' in first_write
     assert second_write.count(b"data: ") == 1
     assert last_write.count(b"data: ") == 2  # finish chunk + [DONE]
     assert last_write.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")

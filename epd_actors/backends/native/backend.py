@@ -612,9 +612,11 @@ class NativeBackend:
 
         They are merged only when the merge keeps everything
         (:func:`~epd_actors.protocol.deltas_mergeable`): how a read splits a
-        stream must not change what the caller gets.
+        stream must not change what the caller gets.  Without ``merge_reads``
+        (``[server] stream_coalescing = "off"``) they go on one by one, as the
+        worker framed them.
         """
-        mixed = len(run) > 1 and not deltas_mergeable(run)
+        mixed = len(run) > 1 and (not self.settings.merge_reads or not deltas_mergeable(run))
         for delta in run if mixed else (merge_deltas(run),):
             self._queue(conn, pending, delta)
 

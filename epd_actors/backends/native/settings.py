@@ -56,6 +56,10 @@ class NativeSettings:
         write_queue_bytes: bytes of request frames queued at most (bytes); a
             frame larger than this is still queued when the queue is empty.
         max_frame_bytes: frame limit in both directions (bytes).
+        merge_reads: the deltas of one stream that one read of the socket
+            brought are handed on as one delta (when the merge keeps
+            everything); False: one by one, as the worker framed them
+            (``[server] stream_coalescing = "off"`` sets it).
     """
 
     connect_timeout_s: float = 5.0
@@ -71,6 +75,7 @@ class NativeSettings:
     write_queue_frames: int = 1024
     write_queue_bytes: int = 8 * 1024 * 1024
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    merge_reads: bool = True
 
     def __post_init__(self) -> None:
         for name in _DURATIONS:

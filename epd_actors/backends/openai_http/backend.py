@@ -89,6 +89,7 @@ import json
 import logging
 import secrets
 import ssl
+from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Final
@@ -144,6 +145,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
     from types import TracebackType
 
+    from ...http.sse import SseEvent
     from ...lora import LoraAdapter
     from ...protocol import Delta, GenerateRequest, PrefillRequest
 
@@ -186,7 +188,9 @@ class OpenAIHttpDeltaStream:
     """The deltas of one streamed generate request (a ``DeltaStream``).
 
     Backpressure: reads the response only when the caller asks for the next
-    delta; everything already received is merged into that one delta.
+    delta; everything already received is merged into that one delta, or,
+    without ``merge_reads``, each chunk received becomes a delta of its own
+    (the events not parsed yet wait in ``_unparsed``).
     """
 
     def __init__(self, backend: OpenAIHttpBackend, call: HttpCall, reply: Response) -> None:
@@ -195,6 +199,8 @@ class OpenAIHttpDeltaStream:
         self._reply = reply
         self._decoder = SseDecoder(backend.settings.max_event_bytes)
         self._parser = DeltaParser(call.request_id, chat=call.chat)
+        self._merge = backend.settings.merge_reads
+        self._unparsed: deque[SseEvent] = deque()  # without merge_reads: read, not parsed
         self._down: str | None = None  # why the worker was declared down mid-stream
 
     @property
@@ -228,7 +234,7 @@ class OpenAIHttpDeltaStream:
         if self._parser.terminal_sent:
             raise trio.EndOfChannel
         while True:
-            delta = self._parser.take()
+            delta = self._take()
             if delta is not None:
                 return delta
             try:
@@ -237,27 +243,50 @@ class OpenAIHttpDeltaStream:
                 raise self._failure(exc) from exc
             if chunk is None:
                 return self._end()
-            try:
-                self._parser.feed(self._decoder.feed(chunk))
-            except ReplyError as exc:  # off-contract bytes: the worker's protocol error
-                raise self._backend._translate(exc, "generate", self._call.request_id) from exc
-            except StreamFailed as exc:
-                backend = self._backend
-                backend._request_failures += 1
-                raise RemoteWorkerError(
-                    ErrorCode.ENGINE_ERROR,
-                    str(exc),
-                    retryable=True,
-                    worker_id=backend.worker_id,
-                    stage="generate",
-                    request_id=self._call.request_id,
-                ) from None
+            self._parse(chunk)
+
+    def _take(self) -> Delta | None:
+        """The parsed delta; without ``merge_reads``, parsing one more event at a time."""
+        delta = self._parser.take()
+        while delta is None and self._unparsed:
+            self._parse(None)
+            delta = self._parser.take()
+        return delta
+
+    def _parse(self, chunk: bytes | None) -> None:
+        """Decode and parse ``chunk`` (None: the next event read but not parsed yet).
+
+        Without ``merge_reads`` a chunk's events are only decoded here; they
+        are parsed one at a time, as deltas are taken.  Errors are the router's.
+        """
+        try:
+            if chunk is None:
+                self._parser.feed([self._unparsed.popleft()])
+                return
+            events = self._decoder.feed(chunk)
+            if self._merge:
+                self._parser.feed(events)
+            else:
+                self._unparsed.extend(events)
+        except ReplyError as exc:  # off-contract bytes: the worker's protocol error
+            raise self._backend._translate(exc, "generate", self._call.request_id) from exc
+        except StreamFailed as exc:
+            backend = self._backend
+            backend._request_failures += 1
+            raise RemoteWorkerError(
+                ErrorCode.ENGINE_ERROR,
+                str(exc),
+                retryable=True,
+                worker_id=backend.worker_id,
+                stage="generate",
+                request_id=self._call.request_id,
+            ) from None
 
     def receive_nowait(self) -> Delta:
         """A delta already parsed from what was read (else ``trio.WouldBlock``); no read."""
         if self._parser.terminal_sent:
             raise trio.EndOfChannel
-        delta = self._parser.take()
+        delta = self._take()
         if delta is None:
             raise trio.WouldBlock
         return delta

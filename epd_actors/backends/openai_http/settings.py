@@ -86,6 +86,9 @@ class OpenAIHttpSettings:
         lora_load_timeout_s: one run-time LoRA adapter load
             (``POST /v1/load_lora_adapter``; seconds); past it the request
             moves to another worker (``AdapterLoadFailed``).
+        merge_reads: the SSE chunks of one network read are handed on as
+            one delta; False: one delta per chunk, as vLLM sent them
+            (``[server] stream_coalescing = "off"`` sets it).
     """
 
     connect_timeout_s: float = 5.0
@@ -107,6 +110,7 @@ class OpenAIHttpSettings:
     kv_lease_s: float = 480.0
     ledger_capacity: int = 4096
     lora_load_timeout_s: float = 60.0
+    merge_reads: bool = True
 
     def __post_init__(self) -> None:
         for name in _DURATIONS:
