@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
 import pytest
 import trio
 import trio.testing
@@ -22,6 +25,9 @@ from epd_actors.simulator.kv_events import (
     sim_worker_kv_events,
 )
 from epd_actors.simulator.store import create_sim_stores
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 BS = 2
 
@@ -289,6 +295,29 @@ async def test_sim_publisher_to_subscriber_to_index_agrees_with_the_sims_cache(e
                 nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def rebound_publisher(endpoint: str, replay: str) -> AsyncIterator[SimKVEventPublisher]:
+    """A publisher bound to the addresses another one just closed.
+
+    ZMQ closes sockets in its I/O thread, so the port may stay taken for a moment
+    (longer on a loaded machine); an engine restarted on the same port retries too.
+    """
+    from epd_actors.errors import ConfigError
+
+    with trio.fail_after(20):
+        while True:
+            publisher = SimKVEventPublisher(endpoint, replay)
+            try:
+                publisher.__enter__()
+                break
+            except ConfigError:
+                await trio.sleep(0.05)
+    try:
+        yield publisher
+    finally:
+        publisher.close()
+
+
 async def test_a_restarted_publisher_on_the_same_port_purges_the_worker():
     index = KVBlockIndex()
     with SimKVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as first:
@@ -301,7 +330,7 @@ async def test_a_restarted_publisher_on_the_same_port_purges_the_worker():
                     first, [stored(1), stored(2), stored(3)], lambda: index.blocks("w") == 3
                 )
                 first.close()
-                with SimKVEventPublisher(endpoint, replay) as second:
+                async with rebound_publisher(endpoint, replay) as second:
                     await wait_until(lambda: sub.state is FeedState.FALLBACK)
                     await publish_until(
                         second, [stored(8)], lambda: index.engine_hashes("w") == {8}
