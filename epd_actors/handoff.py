@@ -82,8 +82,8 @@ class open_handoff(tuple["HandoffSender[T]", "HandoffReceiver[T]"]):
         super().__init__()
 
 
-class HandoffSender(Generic[T]):
-    """The sending end of a hand-off channel (one sending task at a time)."""
+class _End(Generic[T]):
+    """What both ends share: the channel's state, ``queued``, and closing (also as a context)."""
 
     __slots__ = ("_shared",)
 
@@ -91,68 +91,13 @@ class HandoffSender(Generic[T]):
         self._shared = shared
 
     @property
-    def direct(self) -> bool:
-        """The receiver waits with nothing queued: the next item goes to its taker."""
-        return self._shared.direct
-
-    @property
     def queued(self) -> int:
         """How many items are queued, not yet received."""
         return self._shared.receive.statistics().current_buffer_used
 
-    def send_nowait(self, item: T) -> None:
-        """Hand ``item`` to the taker if the receiver waits on nothing, else queue it.
-
-        Not a checkpoint.
-
-        Raises:
-            trio.WouldBlock: the buffer is full (nothing was done).
-            trio.BrokenResourceError: the receiver closed its end.
-            trio.ClosedResourceError: this end was closed.
-        """
-        shared = self._shared
-        if shared.direct:
-            taker = shared.taker
-            assert taker is not None  # ``direct`` is only set with a taker attached
-            if taker(item):
-                return
-            shared.direct = False  # refused: queue until the receiver caught up
-        shared.send.send_nowait(item)
-
-    def offer(self, item: T) -> bool:
-        """:meth:`send_nowait`, False instead of ``trio.WouldBlock`` (the others still raise)."""
-        try:
-            self.send_nowait(item)
-        except trio.WouldBlock:
-            return False
-        return True
-
-    async def send(self, item: T) -> None:
-        """Hand over or queue ``item``, waiting for room in the buffer.
-
-        Raises:
-            trio.BrokenResourceError: the receiver closed its end.
-            trio.ClosedResourceError: this end was closed.
-
-        Cancellation: safe; an item whose send was cancelled was neither
-        handed over nor queued.
-        Backpressure: waits while ``capacity`` items are queued.
-        """
-        shared = self._shared
-        if shared.direct:
-            await trio.lowlevel.checkpoint_if_cancelled()
-            if shared.direct:
-                taker = shared.taker
-                assert taker is not None
-                if taker(item):
-                    await trio.lowlevel.cancel_shielded_checkpoint()
-                    return
-                shared.direct = False
-        await shared.send.send(item)
-
     def close(self) -> None:
-        """No more items: the receiver ends with ``trio.EndOfChannel`` after the queued ones."""
-        self._shared.send.close()
+        """Close this end (see each end's own)."""
+        raise NotImplementedError
 
     async def aclose(self) -> None:
         """:meth:`close`, as an awaitable (a checkpoint)."""
@@ -182,13 +127,76 @@ class HandoffSender(Generic[T]):
         self.close()
 
 
-class HandoffReceiver(Generic[T]):
+class HandoffSender(_End[T]):
+    """The sending end of a hand-off channel (one sending task at a time)."""
+
+    __slots__ = ()
+
+    @property
+    def direct(self) -> bool:
+        """The receiver waits with nothing queued: the next item goes to its taker."""
+        return self._shared.direct
+
+    def send_nowait(self, item: T) -> None:
+        """Hand ``item`` to the taker if the receiver waits on nothing, else queue it.
+
+        Not a checkpoint.
+
+        Raises:
+            trio.WouldBlock: the buffer is full (nothing was done).
+            trio.BrokenResourceError: the receiver closed its end.
+            trio.ClosedResourceError: this end was closed.
+        """
+        if self._shared.direct and self._hand_over(item):
+            return
+        self._shared.send.send_nowait(item)
+
+    def offer(self, item: T) -> bool:
+        """:meth:`send_nowait`, False instead of ``trio.WouldBlock`` (the others still raise)."""
+        try:
+            self.send_nowait(item)
+        except trio.WouldBlock:
+            return False
+        return True
+
+    async def send(self, item: T) -> None:
+        """Hand over or queue ``item``, waiting for room in the buffer.
+
+        Raises:
+            trio.BrokenResourceError: the receiver closed its end.
+            trio.ClosedResourceError: this end was closed.
+
+        Cancellation: safe; an item whose send was cancelled was neither
+        handed over nor queued.
+        Backpressure: waits while ``capacity`` items are queued.
+        """
+        shared = self._shared
+        if shared.direct:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if shared.direct and self._hand_over(item):
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return
+        await shared.send.send(item)
+
+    def _hand_over(self, item: T) -> bool:
+        """Give ``item`` to the waiting receiver's taker; after a refusal, queue from now on."""
+        shared = self._shared
+        taker = shared.taker
+        assert taker is not None  # ``direct`` is only set with a taker attached
+        if taker(item):
+            return True
+        shared.direct = False  # refused: queue until the receiver caught up
+        return False
+
+    def close(self) -> None:
+        """No more items: the receiver ends with ``trio.EndOfChannel`` after the queued ones."""
+        self._shared.send.close()
+
+
+class HandoffReceiver(_End[T]):
     """The receiving end of a hand-off channel (one receiving task at a time)."""
 
-    __slots__ = ("_shared",)
-
-    def __init__(self, shared: _Shared[T]) -> None:
-        self._shared = shared
+    __slots__ = ()
 
     def attach(self, taker: Taker[T] | None) -> None:
         """Have ``taker`` consume items in the sending task while this end waits empty.
@@ -198,11 +206,6 @@ class HandoffReceiver(Generic[T]):
         self._shared.taker = taker
         if taker is None:
             self._shared.direct = False
-
-    @property
-    def queued(self) -> int:
-        """How many items are queued, not yet received."""
-        return self._shared.receive.statistics().current_buffer_used
 
     async def receive(self) -> T:
         """The next item; while none is queued, the taker (if any) takes them meanwhile.
@@ -238,11 +241,6 @@ class HandoffReceiver(Generic[T]):
         self.attach(None)
         self._shared.receive.close()
 
-    async def aclose(self) -> None:
-        """:meth:`close`, as an awaitable (a checkpoint)."""
-        self.close()
-        await trio.lowlevel.checkpoint()
-
     def __aiter__(self) -> Self:
         return self
 
@@ -251,25 +249,3 @@ class HandoffReceiver(Generic[T]):
             return await self.receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
