@@ -53,14 +53,8 @@ class _EngineStream:
         try:
             delta = await self.channel.receive()
         except trio.EndOfChannel:
-            if isinstance(self.error, EngineError):
-                raise self._backend._remote(self.error, self._request_id) from None
-            raise WorkerDisconnected(
-                f"worker {self._backend.worker_id} ended the stream without a finish reason"
-            ) from None
-        if delta.finish_reason is not None:
-            self.finished = True
-        return delta
+            raise self._ended() from None
+        return self._seen(delta)
 
     def receive_nowait(self) -> Delta:
         """The next delta if the engine already produced it (else ``trio.WouldBlock``)."""
@@ -70,14 +64,21 @@ class _EngineStream:
         try:
             delta = self.channel.receive_nowait()
         except trio.EndOfChannel:
-            if isinstance(self.error, EngineError):
-                raise self._backend._remote(self.error, self._request_id) from None
-            raise WorkerDisconnected(
-                f"worker {self._backend.worker_id} ended the stream without a finish reason"
-            ) from None
+            raise self._ended() from None
+        return self._seen(delta)
+
+    def _seen(self, delta: Delta) -> Delta:
         if delta.finish_reason is not None:
             self.finished = True
         return delta
+
+    def _ended(self) -> Exception:
+        """What a stream that ended without its finish reason raises: the engine's error."""
+        if isinstance(self.error, EngineError):
+            return self._backend._remote(self.error, self._request_id)
+        return WorkerDisconnected(
+            f"worker {self._backend.worker_id} ended the stream without a finish reason"
+        )
 
     def set_sink(self, sink: Callable[[Delta], bool]) -> None:
         """The engine's task hands non-final deltas to ``sink`` (see ``DeltaStream``)."""
