@@ -7,7 +7,7 @@ naming the offending key (``pools.encode.policy``, ``deadlines.request_timeout_s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from ..backends.native.settings import NativeSettings
@@ -164,6 +164,10 @@ class Deadlines:
     first_token_timeout_s: float = 120.0
     inter_token_timeout_s: float = 60.0
     cleanup_timeout_s: float = 5.0
+
+
+DEADLINE_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Deadlines))
+"""Every deadline of :class:`Deadlines`, in declaration order (each a number of seconds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,14 +329,7 @@ def validate(config: RouterConfig) -> None:
             check_kv_endpoints(pool.kv_events, worker, key=worker_key)
     _check_models(config)
     deadlines = config.deadlines
-    for name in (
-        "request_timeout_s",
-        "encode_timeout_s",
-        "prefill_timeout_s",
-        "first_token_timeout_s",
-        "inter_token_timeout_s",
-        "cleanup_timeout_s",
-    ):
+    for name in DEADLINE_NAMES:
         _positive(f"deadlines.{name}", getattr(deadlines, name))
     actors = config.actors
     if actors.inbox_capacity < 0:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..core.actors import STAGE_ACTORS, stage_policy
+from ..core.config import DEADLINE_NAMES
 from ..core.router import bind_local_prefill, build_catalog, build_encoder_caches, build_pools
 from ..core.supervisor import Supervisor
 from .config_report import check_tables
@@ -48,17 +49,7 @@ def describe(config: FileConfig) -> str:
         f"   admin routes: {'on' if server.http.admin_keys else 'off'}",
         f"worker auth token: {'set' if router.auth_token else 'NOT SET'}",
         "deadlines:  "
-        + ", ".join(
-            f"{name}={getattr(router.deadlines, name):g}s"
-            for name in (
-                "request_timeout_s",
-                "encode_timeout_s",
-                "prefill_timeout_s",
-                "first_token_timeout_s",
-                "inter_token_timeout_s",
-                "cleanup_timeout_s",
-            )
-        ),
+        + ", ".join(f"{name}={getattr(router.deadlines, name):g}s" for name in DEADLINE_NAMES),
     ]
     for pool in router.pools:
         lines.append(
