@@ -22,7 +22,15 @@ from epd_actors.frontends.admin import RouterAdmin
 from epd_actors.frontends.http_app import RouterHttpApp
 from epd_actors.program.config_file import parse_config
 from epd_actors.request import ErrorEvent
-from tests.fleet.replicas import Workers, held, replica, replicas, settle, short_request
+from tests.fleet.replicas import (
+    Workers,
+    held,
+    holding_one_each,
+    replica,
+    replicas,
+    settle,
+    short_request,
+)
 
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
@@ -47,57 +55,19 @@ async def test_three_routers_balance_fleet_wide_through_the_store(autojump_clock
     store = MemoryFleetStore()
     async with replicas(3, workers, FAST, store) as routers:
         await settle(routers)
-        placed = []
-        async with trio.open_nursery() as nursery:
-            stops = []
-            for n, router in enumerate(routers):
-                stop = trio.Event()
-                stops.append(stop)
-                started = trio.Event()
-
-                async def hold(
-                    router: Router = router,
-                    n: int = n,
-                    stop: trio.Event = stop,
-                    started: trio.Event = started,
-                ) -> None:
-                    async with held(router, f"long{n}") as worker:
-                        placed.append(worker)
-                        started.set()
-                        await stop.wait()
-
-                nursery.start_soon(hold)
-                await started.wait()
-                await settle(routers)
+        async with holding_one_each(routers) as placed:
             assert routers[2].fleet is not None
             assert routers[2].fleet.status().remote_in_flight == {"pd-0": 1, "pd-1": 1}
             assert routers[2].supervisor.remote_requests_in_flight == 2
-            for stop in stops:
-                stop.set()
     assert sorted(placed) == ["pd-0", "pd-1", "pd-2"]
 
 
 async def test_without_the_store_each_router_sees_only_its_own_load(autojump_clock: object) -> None:
     workers = Workers(3)
-    placed = []
     async with replicas(3, workers, SharedSettings(), None) as routers:
         assert all(router.fleet is None for router in routers)
-        async with trio.open_nursery() as nursery:
-            stop = trio.Event()
-            for n, router in enumerate(routers):
-                started = trio.Event()
-
-                async def hold(
-                    router: Router = router, n: int = n, started: trio.Event = started
-                ) -> None:
-                    async with held(router, f"long{n}") as worker:
-                        placed.append(worker)
-                        started.set()
-                        await stop.wait()
-
-                nursery.start_soon(hold)
-                await started.wait()
-            stop.set()
+        async with holding_one_each(routers, settle_between=False) as placed:
+            pass
     assert placed == ["pd-0", "pd-0", "pd-0"]  # the skew the shared counts remove
 
 

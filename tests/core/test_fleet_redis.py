@@ -19,7 +19,15 @@ from epd_actors.core.fleet import SharedSettings
 from epd_actors.core.fleet.redis_state import RedisFleetStore
 from epd_actors.frontends.admin import RouterAdmin
 from tests.fleet.redis_server import RedisServer, make_certificate
-from tests.fleet.replicas import Workers, held, replica, replicas, settle, short_request
+from tests.fleet.replicas import (
+    Workers,
+    held,
+    holding_one_each,
+    replica,
+    replicas,
+    settle,
+    short_request,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -89,25 +97,8 @@ async def test_three_routers_share_in_flight_counts_through_redis(redis: RedisSe
     async with replicas(3, Workers(3), settings, store_of(settings)) as routers:
         with trio.fail_after(SAFETY_S):
             await settle(routers)
-            placed = []
-            async with trio.open_nursery() as nursery:
-                stop = trio.Event()
-                for n, router in enumerate(routers):
-                    started = trio.Event()
-
-                    async def hold(
-                        router: Router = router, n: int = n, started: trio.Event = started
-                    ) -> None:
-                        async with held(router, f"long{n}") as worker:
-                            placed.append(worker)
-                            started.set()
-                            await stop.wait()
-
-                    nursery.start_soon(hold)
-                    await started.wait()
-                    await settle(routers)
+            async with holding_one_each(routers) as placed:
                 assert routers[2].supervisor.remote_requests_in_flight == 2
-                stop.set()
     assert sorted(placed) == ["pd-0", "pd-1", "pd-2"]
 
 

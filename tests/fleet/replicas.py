@@ -101,6 +101,37 @@ async def held(router: Router, tag: str) -> AsyncIterator[str]:
         yield worker
 
 
+@asynccontextmanager
+async def holding_one_each(
+    routers: list[Router], *, settle_between: bool = True
+) -> AsyncIterator[list[str]]:
+    """One long request on each router in turn; yield the workers they run on while all run.
+
+    With ``settle_between``, every router exchanges with the store after each start, so the
+    next router routes on the load the previous ones published.
+    """
+    placed: list[str] = []
+
+    async def hold(router: Router, tag: str, started: trio.Event, stop: trio.Event) -> None:
+        async with held(router, tag) as worker:
+            placed.append(worker)
+            started.set()
+            await stop.wait()
+
+    async with trio.open_nursery() as nursery:
+        stop = trio.Event()
+        for n, router in enumerate(routers):
+            started = trio.Event()
+            nursery.start_soon(hold, router, f"long{n}", started, stop)
+            await started.wait()
+            if settle_between:
+                await settle(routers)
+        try:
+            yield placed
+        finally:
+            stop.set()
+
+
 def served(router: Router) -> dict[str, int]:
     return {m.worker_id: m.served for m in router.pools["pd"].members}
 
