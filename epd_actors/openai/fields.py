@@ -40,8 +40,12 @@ from typing import Final, Literal
 from ..errors import InvalidRequest
 
 RequestKind = Literal["chat", "completion"]
-UnknownFields = Literal["reject", "forward"]
+UnknownFields = Literal["reject", "forward", "ignore"]
 UNKNOWN_FIELD_CHOICES: Final = ("reject", "forward")
+"""What a router may be configured with: it never drops a client's field silently.
+
+``ignore`` (accept and drop, as vLLM's own request models do) is for the
+simulator's ``vllm serve`` double only."""
 Check = Callable[[object, str], object]
 """Checks a field's value (its dotted name given for errors) and returns what to forward."""
 
@@ -328,8 +332,9 @@ class FieldPolicy:
     """How a parser treats fields outside the router's own.
 
     Attributes:
-        unknown: ``reject`` (400 ``unknown_parameter``) or ``forward`` (carried
-            unchecked in ``options``).
+        unknown: ``reject`` (400 ``unknown_parameter``), ``forward`` (carried
+            unchecked in ``options``) or ``ignore`` (dropped: vLLM's behaviour,
+            for its double; never a router's).
         accept_transfer_fields: take :data:`TRANSFER_FIELDS` into ``options``
             (a worker's parser: the router sends them).
     """
@@ -376,6 +381,8 @@ def engine_options(
             _refuse(name, value, REFUSED_FIELDS[name])
         elif policy.unknown == "forward":
             options[name] = value
+        elif policy.unknown == "ignore":
+            continue
         else:
             raise InvalidRequest(
                 f"unknown parameter {name!r}: this router neither knows nor forwards it "

@@ -437,6 +437,8 @@ def _message_fields(
             fields[key] = checker(value, where)
         elif policy.unknown == "forward":
             fields[key] = value
+        elif policy.unknown == "ignore":
+            continue
         else:
             raise InvalidRequest(
                 f"unknown message field {key!r}", param=where, code="unknown_parameter"

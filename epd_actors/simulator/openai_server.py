@@ -264,8 +264,40 @@ class _Exchange:
         return kept or None
 
 
-_FIELDS: Final = FieldPolicy(accept_transfer_fields=True)
-"""A vLLM server takes the fields a disaggregating router adds (``kv_transfer_params``...)."""
+_VLLM_DEFAULTS: Final[dict[str, object]] = {
+    "continue_final_message": False,
+    "add_generation_prompt": True,
+    "include_reasoning": True,
+    "echo": False,
+}
+"""Engine fields the simulator does not model, and vLLM's default for each.
+
+A request that sends one of them at exactly this value asks for nothing the
+simulator would do differently (vllm-router sends several on every request);
+it is taken as if the field were absent.  Any other value is refused as
+before, naming the field."""
+
+
+def _without_defaults(body: dict[str, object]) -> dict[str, object]:
+    """``body`` without the :data:`_VLLM_DEFAULTS` fields that hold their default."""
+    inert = [
+        name
+        for name, default in _VLLM_DEFAULTS.items()
+        if name in body and type(body[name]) is type(default) and body[name] == default
+    ]
+    if not inert:
+        return body
+    return {key: value for key, value in body.items() if key not in inert}
+
+
+_FIELDS: Final = FieldPolicy(unknown="ignore", accept_transfer_fields=True)
+"""A vLLM server takes the fields a disaggregating router adds (``kv_transfer_params``...).
+
+Fields it does not know are accepted and ignored, as vLLM's request models
+do (``extra="allow"``, with a warning naming them): vllm-router adds SGLang's
+``no_stop_trim``, ``return_hidden_states`` and others to every request it
+forwards.  The request log's ``keys`` still shows every field received.
+"""
 
 
 class SimOpenAIServer:
@@ -376,9 +408,16 @@ class SimOpenAIServer:
         return _text(answer)
 
     def _metrics(self) -> str:
-        """vLLM's request gauges, one engine (``engine="0"``), in Prometheus text format."""
+        """vLLM's request gauges and prefix-cache counters, one engine (``engine="0"``).
+
+        The counters (``vllm:prefix_cache_queries_total`` and
+        ``vllm:prefix_cache_hits_total``, in prompt tokens, as vLLM's V1 engine
+        counts them) are there when the engine has a prefix cache, so a
+        benchmark reads a fleet's hit rate the same way from the simulator and
+        from real vLLM.  Prometheus text format.
+        """
         labels = f'engine="0",model_name="{_label_value(self.engine.model)}"'
-        return (
+        text = (
             "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
             "# TYPE vllm:num_requests_running gauge\n"
             f"vllm:num_requests_running{{{labels}}} {float(self.running)}\n"
@@ -386,6 +425,20 @@ class SimOpenAIServer:
             "# TYPE vllm:num_requests_waiting gauge\n"
             f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
         )
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return text
+        counters = cache.counters()
+        for name, doc, value in (
+            ("queries", "Prefix cache queries, in queried tokens.", counters.query_tokens),
+            ("hits", "Prefix cache hits, in cached tokens.", counters.hit_tokens),
+        ):
+            text += (
+                f"# HELP vllm:prefix_cache_{name} {doc}\n"
+                f"# TYPE vllm:prefix_cache_{name} counter\n"
+                f"vllm:prefix_cache_{name}_total{{{labels}}} {float(value)}\n"
+            )
+        return text
 
     async def _completion(
         self, responder: Responder, path: str, headers: dict[str, str], raw: bytes
@@ -406,7 +459,12 @@ class SimOpenAIServer:
         request_id = request_id or f"sim-{secrets.token_hex(8)}"
         try:
             parse = parse_chat_completion if path == CHAT_PATH else parse_completion
-            parsed = parse(body, request_id=request_id, limits=self.settings.media, policy=_FIELDS)
+            parsed = parse(
+                _without_defaults(body),
+                request_id=request_id,
+                limits=self.settings.media,
+                policy=_FIELDS,
+            )
             if parsed.pending:
                 raise InvalidRequest("the simulator accepts inline (data:) media only")
             try:

@@ -48,6 +48,12 @@ def prefill_body() -> dict[str, object]:
     return body
 
 
+def unary_body() -> dict[str, object]:
+    """``CLIENT_BODY`` asking for one answer rather than a stream."""
+    body = {k: v for k, v in CLIENT_BODY.items() if k != "stream_options"}
+    return {**body, "stream": False}
+
+
 def events(stream: bytes) -> list[object]:
     return [
         json.loads(line[6:]) if line != b"data: [DONE]" else "[DONE]"
@@ -131,3 +137,65 @@ async def test_metrics_count_the_requests_being_served() -> None:
     assert idle.headers["content-type"].startswith("text/plain")
     assert "vllm:num_requests_waiting{" in idle.text
     assert (running(idle), running(busy), running(after)) == (0.0, 1.0, 0.0)
+
+
+async def test_metrics_count_prefix_cache_queries_and_hits_in_tokens() -> None:
+    cached = SimConfig(prefix_cache_blocks=64, output_token_s=0.0)
+    counter = re.compile(
+        r'^vllm:prefix_cache_(queries|hits)_total\{engine="0",model_name="sim-model"\} (\S+)$'
+    )
+    body = {
+        "model": MODEL,
+        "prompt": " ".join(f"w{i}" for i in range(200)),
+        "max_tokens": 2,
+    }
+    async with sim_http_fleet({"pd": 1}, configs={"pd": cached}) as fleet:
+        url = fleet.servers["pd-0"].url
+        async with httpx.AsyncClient(base_url=url, timeout=GUARD_S) as client:
+            before = await client.get("/metrics")
+            for _ in range(2):
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+            after = await client.get("/metrics")
+
+    def values(reply: httpx.Response) -> dict[str, float]:
+        found = (counter.match(line) for line in reply.text.splitlines())
+        return {m.group(1): float(m.group(2)) for m in found if m}
+
+    assert values(before) == {"queries": 0.0, "hits": 0.0}
+    counted = values(after)
+    # The second identical prompt finds every full block of the first cached.
+    assert counted["queries"] > 0
+    assert 0 < counted["hits"] < counted["queries"]
+    assert counted["hits"] >= counted["queries"] / 2 - 16
+
+
+async def test_metrics_have_no_prefix_cache_counters_without_a_cache() -> None:
+    async with sim_http_fleet({"pd": 1}) as fleet:
+        async with httpx.AsyncClient(base_url=fleet.servers["pd-0"].url, timeout=GUARD_S) as c:
+            text = (await c.get("/metrics")).text
+    assert "vllm:num_requests_running{" in text
+    assert "prefix_cache" not in text
+
+
+async def test_fields_vllm_does_not_know_are_ignored_as_vllm_ignores_them() -> None:
+    # vllm-router adds SGLang's fields to what it forwards; vLLM accepts and ignores them.
+    extra = {"no_stop_trim": False, "return_hidden_states": False, "separate_reasoning": True}
+    extra |= {"continue_final_message": False, "include_reasoning": True}  # vLLM's defaults
+    async with sim_http_fleet({"pd": 1}) as fleet:
+        url = fleet.servers["pd-0"].url + "/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=GUARD_S) as client:
+            answer = await client.post(url, json={**unary_body(), **extra})
+        assert answer.status_code == 200
+        assert answer.json()["usage"]["completion_tokens"] == 20
+        (logged,) = fleet.log("pd-0")
+        assert set(extra) <= set(logged["keys"])
+
+
+async def test_a_field_the_simulator_does_not_model_is_refused_off_its_default() -> None:
+    async with sim_http_fleet({"pd": 1}) as fleet:
+        url = fleet.servers["pd-0"].url + "/v1/chat/completions"
+        body = {**unary_body(), "continue_final_message": True}
+        async with httpx.AsyncClient(timeout=GUARD_S) as client:
+            answer = await client.post(url, json=body)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "continue_final_message"
