@@ -19,14 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 try:
     from harness import (
+        HTTP_KINDS,
         PEER_COMMANDS,
         PeerPrograms,
         Scenario,
         epd_proxy_argv,
         start_scenario,
     )
+    from run_router_overhead import parse_args, scenarios
 finally:
-    sys.path.remove(str(ROOT / "benchmarks"))
+    # run_router_overhead puts the directory on the path again itself.
+    sys.path[:] = [entry for entry in sys.path if entry != str(ROOT / "benchmarks")]
 
 ENDPOINTS = [
     ("encode", "encode-0", "http://127.0.0.1:1"),
@@ -85,6 +88,16 @@ def test_each_peer_kind_names_the_option_it_is_missing() -> None:
     assert PEER_COMMANDS["epd-proxy"](programs, 9000, ENDPOINTS)[:2] == ["py", "proxy.py"]
     assert "--vllm-pd-disaggregation" in PEER_COMMANDS["vllm-router-pd"](programs, 9000, ENDPOINTS)
     assert "--vllm-pd-disaggregation" not in PEER_COMMANDS["vllm-router"](programs, 9000, ENDPOINTS)
+
+
+def test_the_epd_proxy_scenarios_mirror_http_pd_and_http_epd() -> None:
+    known = scenarios()
+    for name, twin in (("epd-proxy-pd", "http-pd"), ("epd-proxy-epd", "http-epd")):
+        assert known[name].kind == "epd-proxy"
+        assert [role for role, _ in known[name].workers] == [r for r, _ in known[twin].workers]
+    assert "epd-proxy" in HTTP_KINDS  # HTTP workers, and D's request log is checked
+    args = parse_args(["--epd-proxy", "proxy.py"])
+    assert (args.epd_proxy, args.epd_proxy_python) == ("proxy.py", sys.executable)
 
 
 @pytest.mark.processes
