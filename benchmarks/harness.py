@@ -16,6 +16,7 @@ before and after.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from contextlib import ExitStack
     from pathlib import Path
 
@@ -40,8 +41,6 @@ ANNOUNCE = re.compile(r"(?:listening on|serving the OpenAI HTTP API on) (\S+)")
 ROUTER_ANNOUNCE = re.compile(r"router listening on (\S+)")
 # Fast, unpaced simulator: the router's cost dominates (the issue's standard case).
 FAST_SIM = ("--sim-output-token-s", "0", "--sim-tokens-per-delta", "16")
-# Scenario kinds whose workers serve vLLM's OpenAI HTTP API (``worker --serve-openai``).
-HTTP_KINDS = ("openai_http", "direct", "vllm-router", "vllm-router-pd")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -120,7 +119,8 @@ class Scenario:
     # (role, extra worker args) for each worker process.
     workers: list[tuple[str, tuple[str, ...]]]
     # "native", "openai_http", "direct" (load the first worker), "vllm-router"
-    # (round robin over the workers) or "vllm-router-pd" (its P/D mode over P and D).
+    # (round robin over the workers), "vllm-router-pd" (its P/D mode over P and D)
+    # or "epd-proxy" (vLLM's example EPD proxy over the E, P and D workers).
     kind: str = "native"
     url: str = ""
     router: Process | None = None
@@ -192,12 +192,16 @@ def start_scenario(
     router_cores: str | None = None,
     worker_cores: str | None = None,
     vllm_router: str | None = None,
+    epd_proxy: str | None = None,
+    epd_proxy_python: str | None = None,
     router_wrapper: tuple[str, ...] = (),
     router_python: tuple[str, ...] = (),
     server_lines: tuple[str, ...] = (),
 ) -> None:
     """Start the scenario's processes (stopped when ``stack`` closes); sets ``scenario.url``.
 
+    ``vllm_router``, ``epd_proxy`` and ``epd_proxy_python`` are the peer
+    programs (see :class:`PeerPrograms`), needed only by scenarios of their kind.
     ``router_wrapper`` goes before the router's own argv (e.g. a profiler's
     ``record --``); ``router_python`` replaces its ``python -m epd_actors``;
     ``server_lines`` are added to the router configuration's ``[server]`` table
@@ -221,10 +225,11 @@ def start_scenario(
     if scenario.kind == "direct":
         scenario.url = endpoints[0][2]
         return
-    if scenario.kind in ("vllm-router", "vllm-router-pd"):
-        if vllm_router is None:
-            raise RuntimeError(f"the {scenario.name} scenario needs --vllm-router PATH")
-        _start_vllm_router(scenario, stack, endpoints, vllm_router, router_cores, env)
+    if scenario.kind in PEER_COMMANDS:
+        programs = PeerPrograms(vllm_router, epd_proxy, epd_proxy_python or sys.executable)
+        port = _free_port()
+        argv = PEER_COMMANDS[scenario.kind](programs, port, endpoints)
+        _start_peer(scenario, stack, [*taskset_prefix(router_cores), *argv], port, env)
         return
     config = workdir / f"{scenario.name}.toml"
     config.write_text(
@@ -271,27 +276,85 @@ def vllm_router_argv(
     return [*argv, "--log-level", "warning"]
 
 
-def _start_vllm_router(
-    scenario: Scenario,
-    stack: ExitStack,
-    endpoints: list[tuple[str, str, str]],
-    binary: str,
-    cores: str | None,
-    env: dict[str, str],
+def epd_proxy_argv(
+    python: str, script: str, port: int, endpoints: list[tuple[str, str, str]]
+) -> list[str]:
+    """The command line of vLLM's example EPD proxy (``disagg_epd_proxy.py``) over ``endpoints``.
+
+    Its three URL lists are all required on its command line.  With no
+    encode worker the list is empty: the proxy only sends a request's media
+    items to E (and text prompts have none), and its ``/health`` reports an
+    empty cluster as ``"empty"``, not as unhealthy.  With no prefill worker it
+    gets ``disable``, its own word for E -> PD.  It takes no option to quiet
+    its logging (DEBUG to stderr, uvicorn's access log), so it runs as stock.
+    """
+
+    def urls(role: str) -> str:
+        return ",".join(url for worker_role, _, url in endpoints if worker_role == role)
+
+    argv = [python, script, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--encode-servers-urls", urls("encode")]
+    argv += ["--prefill-servers-urls", urls("prefill") or "disable"]
+    return [*argv, "--decode-servers-urls", urls("decode")]
+
+
+@dataclass(frozen=True)
+class PeerPrograms:
+    """The peer routers' programs, as given on the benchmark's command line.
+
+    ``vllm_router``: the ``vllm-router`` executable; ``epd_proxy``: the
+    ``disagg_epd_proxy.py`` script of a vLLM checkout, run by
+    ``epd_proxy_python`` (an interpreter with fastapi, uvicorn, uvloop and aiohttp).
+    """
+
+    vllm_router: str | None = None
+    epd_proxy: str | None = None
+    epd_proxy_python: str = sys.executable
+
+
+def _vllm_router_command(
+    programs: PeerPrograms, port: int, endpoints: list[tuple[str, str, str]], *, pd: bool
+) -> list[str]:
+    if programs.vllm_router is None:
+        raise RuntimeError("the vllm-router scenarios need --vllm-router PATH")
+    return vllm_router_argv(programs.vllm_router, port, _free_port(), endpoints, pd=pd)
+
+
+def _epd_proxy_command(
+    programs: PeerPrograms, port: int, endpoints: list[tuple[str, str, str]]
+) -> list[str]:
+    if programs.epd_proxy is None:
+        raise RuntimeError("the epd-proxy scenarios need --epd-proxy PATH")
+    return epd_proxy_argv(programs.epd_proxy_python, programs.epd_proxy, port, endpoints)
+
+
+# Scenario kinds of a peer router (another project's program in front of HTTP workers):
+# kind -> its command line, serving on loopback ``port`` in front of the endpoints.
+PEER_COMMANDS: dict[str, Callable[[PeerPrograms, int, list[tuple[str, str, str]]], list[str]]] = {
+    "vllm-router": functools.partial(_vllm_router_command, pd=False),
+    "vllm-router-pd": functools.partial(_vllm_router_command, pd=True),
+    "epd-proxy": _epd_proxy_command,
+}
+# Scenario kinds whose workers serve vLLM's OpenAI HTTP API (``worker --serve-openai``).
+HTTP_KINDS = ("openai_http", "direct", *PEER_COMMANDS)
+
+
+def _start_peer(
+    scenario: Scenario, stack: ExitStack, argv: list[str], port: int, env: dict[str, str]
 ) -> None:
-    port = _free_port()
-    pd = scenario.kind == "vllm-router-pd"
-    argv = [
-        *taskset_prefix(cores),
-        *vllm_router_argv(binary, port, _free_port(), endpoints, pd=pd),
-    ]
+    """Start a peer router, wait for its ``GET /health``; stopped when ``stack`` closes."""
     popen = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        text=True,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     if not wait_healthy(url + "/health", popen):
         popen.kill()
-        raise RuntimeError("vllm-router did not become healthy")
+        raise RuntimeError(f"the {scenario.name} scenario's router did not become healthy")
     process = Process.__new__(Process)
     process.argv = argv
     process.popen = popen
@@ -301,7 +364,7 @@ def _start_vllm_router(
     scenario.url = url
 
 
-def wait_healthy(url: str, popen: subprocess.Popen[bytes], timeout_s: float = 30.0) -> bool:
+def wait_healthy(url: str, popen: subprocess.Popen[str], timeout_s: float = 30.0) -> bool:
     import time
 
     deadline = time.perf_counter() + timeout_s

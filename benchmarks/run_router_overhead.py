@@ -16,6 +16,9 @@ plots next to it.  Stops everything on exit.
         --router-cores 0 --bench-cores 1                           # pinned (taskset)
     python benchmarks/run_router_overhead.py --scenarios direct,native-epd \\
         --vllm-router /path/to/vllm-router                         # add the peer router
+    python benchmarks/run_router_overhead.py --scenarios http-pd,epd-proxy-pd \\
+        --epd-proxy VLLM/examples/online_serving/disaggregated_encoder/disagg_epd_proxy.py \\
+        --epd-proxy-python /path/to/venv/bin/python                # vLLM's example EPD proxy
 
 Scenarios (simulator: 0 s per output token, 16 tokens per delta; ``--token-s S``
 paces every worker at one token per delta every S seconds instead):
@@ -34,6 +37,10 @@ paces every worker at one token per delta every S seconds instead):
 * ``vllm-router-pd``: vLLM's router in its P/D mode
   (``--vllm-pd-disaggregation``) over P and D workers serving the HTTP API
   (needs ``--vllm-router``).
+* ``epd-proxy-pd``: vLLM's example EPD proxy (``disagg_epd_proxy.py``,
+  FastAPI + uvicorn + aiohttp; needs ``--epd-proxy``) over P and D workers
+  serving the HTTP API, with an empty encode list (text prompts never reach E).
+* ``epd-proxy-epd``: that proxy over E, P and D workers serving the HTTP API.
 
 ``--baseline DIR --baseline-scenarios http-pd`` also runs each named
 scenario from another checkout (``git worktree add DIR COMMIT``) as
@@ -145,6 +152,18 @@ def scenarios(token_s: float | None = None, *, step_clock: bool = False) -> dict
                 [("prefill", sim), ("decode", sim)],
                 "vllm-router-pd",
             ),
+            Scenario(
+                "epd-proxy-pd",
+                "vLLM's example EPD proxy over P+D HTTP workers",
+                [("prefill", sim), ("decode", sim)],
+                "epd-proxy",
+            ),
+            Scenario(
+                "epd-proxy-epd",
+                "vLLM's example EPD proxy over E+P+D HTTP workers",
+                [("encode", sim), ("prefill", sim), ("decode", sim)],
+                "epd-proxy",
+            ),
         )
     }
 
@@ -169,6 +188,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bench-cores", default=None, help="taskset -c list for the bench")
     parser.add_argument("--worker-cores", default=None, help="taskset -c list for the workers")
     parser.add_argument("--vllm-router", default=None, help="path of the vllm-router program")
+    parser.add_argument(
+        "--epd-proxy",
+        default=None,
+        help="path of vLLM's examples/online_serving/disaggregated_encoder/disagg_epd_proxy.py",
+    )
+    parser.add_argument(
+        "--epd-proxy-python",
+        default=sys.executable,
+        help="the interpreter that runs --epd-proxy, with fastapi, uvicorn, uvloop and aiohttp "
+        "(default: this one)",
+    )
     parser.add_argument(
         "--baseline",
         default=None,
@@ -445,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
                 router_cores=args.router_cores,
                 worker_cores=args.worker_cores,
                 vllm_router=args.vllm_router,
+                epd_proxy=args.epd_proxy,
+                epd_proxy_python=args.epd_proxy_python,
                 server_lines=(f'stream_coalescing = "{args.stream_coalescing}"',),
             )
             warm = run_bench(
