@@ -227,9 +227,11 @@ def start_scenario(
         return
     if scenario.kind in PEER_COMMANDS:
         programs = PeerPrograms(vllm_router, epd_proxy, epd_proxy_python or sys.executable)
-        port = _free_port()
+        port = free_port()
         argv = PEER_COMMANDS[scenario.kind](programs, port, endpoints)
-        _start_peer(scenario, stack, [*taskset_prefix(router_cores), *argv], port, env)
+        argv = [*taskset_prefix(router_cores), *argv]
+        scenario.router = start_peer(stack, argv, port, env, name=scenario.name)
+        scenario.url = scenario.router.announced
         return
     config = workdir / f"{scenario.name}.toml"
     config.write_text(
@@ -242,7 +244,7 @@ def start_scenario(
     scenario.url = router.announced
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as probe:
@@ -252,7 +254,13 @@ def _free_port() -> int:
 
 
 def vllm_router_argv(
-    binary: str, port: int, metrics_port: int, endpoints: list[tuple[str, str, str]], *, pd: bool
+    binary: str,
+    port: int,
+    metrics_port: int,
+    endpoints: list[tuple[str, str, str]],
+    *,
+    pd: bool,
+    policy: str = "round_robin",
 ) -> list[str]:
     """vllm-router's command line: round robin over every worker, or its P/D mode.
 
@@ -262,7 +270,8 @@ def vllm_router_argv(
     request, with the ``kv_transfer_params`` P answered, to a decode worker.
     ``--worker-startup-check-interval 1`` keeps it from waiting 30 s between
     startup probes; its Prometheus endpoint gets a free loopback port of its
-    own (the default, 29000, would collide between two routers).
+    own (the default, 29000, would collide between two routers).  ``policy``
+    is its ``--policy`` (in P/D mode, both pools').
     """
     argv = [binary, "--host", "127.0.0.1", "--port", str(port)]
     if pd:
@@ -271,7 +280,7 @@ def vllm_router_argv(
             argv += ["--prefill", url] if role == "prefill" else ["--decode", url]
     else:
         argv += ["--worker-urls", *(url for _, _, url in endpoints)]
-    argv += ["--policy", "round_robin", "--worker-startup-check-interval", "1"]
+    argv += ["--policy", policy, "--worker-startup-check-interval", "1"]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
     return [*argv, "--log-level", "warning"]
 
@@ -317,7 +326,7 @@ def _vllm_router_command(
 ) -> list[str]:
     if programs.vllm_router is None:
         raise RuntimeError("the vllm-router scenarios need --vllm-router PATH")
-    return vllm_router_argv(programs.vllm_router, port, _free_port(), endpoints, pd=pd)
+    return vllm_router_argv(programs.vllm_router, port, free_port(), endpoints, pd=pd)
 
 
 def _epd_proxy_command(
@@ -339,10 +348,13 @@ PEER_COMMANDS: dict[str, Callable[[PeerPrograms, int, list[tuple[str, str, str]]
 HTTP_KINDS = ("openai_http", "direct", *PEER_COMMANDS)
 
 
-def _start_peer(
-    scenario: Scenario, stack: ExitStack, argv: list[str], port: int, env: dict[str, str]
-) -> None:
-    """Start a peer router, wait for its ``GET /health``; stopped when ``stack`` closes."""
+def start_peer(
+    stack: ExitStack, argv: list[str], port: int, env: dict[str, str], *, name: str
+) -> Process:
+    """Start a peer router serving on ``port``, once its ``GET /health`` answers.
+
+    Stopped when ``stack`` closes; its URL is the returned process's ``announced``.
+    """
     popen = subprocess.Popen(
         argv,
         stdout=subprocess.DEVNULL,
@@ -354,14 +366,13 @@ def _start_peer(
     url = f"http://127.0.0.1:{port}"
     if not wait_healthy(url + "/health", popen):
         popen.kill()
-        raise RuntimeError(f"the {scenario.name} scenario's router did not become healthy")
+        raise RuntimeError(f"the {name} scenario's router did not become healthy")
     process = Process.__new__(Process)
     process.argv = argv
     process.popen = popen
     process.announced = url
     stack.callback(process.stop)
-    scenario.router = process
-    scenario.url = url
+    return process
 
 
 def wait_healthy(url: str, popen: subprocess.Popen[str], timeout_s: float = 30.0) -> bool:

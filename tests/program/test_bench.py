@@ -425,3 +425,28 @@ async def test_the_options_against_an_in_process_router(tmp_path: Path) -> None:
     assert {"prefill", "decode", "ttft"} <= set(summary["stages"])
     assert b"stage decode" in done.stdout
     assert refused.returncode == 1  # every request refused (401)
+
+
+def test_the_live_fleet_benchmark_configures_each_policy_it_compares() -> None:
+    import tomllib
+
+    from epd_actors.program.config_file import parse_config
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from fleet_cache_live import Fleet, router_config
+        from harness import vllm_router_argv
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    workers = [("prefill", "prefill-0", "http://127.0.0.1:1")]
+    workers += [("decode", "decode-0", "http://127.0.0.1:2")]
+    fleet = Fleet(workers, {"prefill-0": ("tcp://127.0.0.1:3", "tcp://127.0.0.1:4")})
+    for policy in ("round_robin", "cache_aware", "kv_aware"):
+        config = parse_config(tomllib.loads(router_config(fleet, policy)), environ={}).router
+        pools = {pool.stage: pool for pool in config.pools}
+        assert (pools["prefill"].policy, pools["decode"].policy) == (policy, "least_in_flight")
+        assert pools["prefill"].kv_events.enabled == (policy == "kv_aware")
+    (prefill,) = pools["prefill"].workers
+    assert prefill.kv_events_endpoint == "tcp://127.0.0.1:3"
+    argv = vllm_router_argv("vllm-router", 1, 2, workers, pd=True, policy="cache_aware")
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
