@@ -163,6 +163,8 @@ def test_a_pool_without_a_policy_gets_its_stage_actor_s_default() -> None:
     from epd_actors.core.actors import stage_policy
 
     assert stage_policy("encode", None) == "consistent_hash"
-    assert stage_policy("pd", None) == "least_in_flight"
+    assert stage_policy("pd", None) == "cache_aware"
+    assert stage_policy("prefill", None) == "cache_aware"
+    assert stage_policy("decode", None) == "least_in_flight"
     assert stage_policy("encode", "round_robin") == "round_robin"
     assert stage_policy("a-stage-nobody-serves", None) == "least_in_flight"

@@ -19,3 +19,4 @@ class PDActor(DecodeActor):
     worker_roles = frozenset({Role.PD})
     consumes_kv_handoff = False  # a merged worker prefills for itself
     requires = ()
+    default_policy = "cache_aware"  # it prefills: send a prompt where its prefix was sent

@@ -27,6 +27,7 @@ class PrefillActor(BaseActor):
     phase = Phase.PREFILLING
     order = 20
     requires = ("decode",)
+    default_policy = "cache_aware"  # a prefix hit removes most of a prefill
 
     local_prefill: LocalPrefillRule | None = None
     """Skips the stage for prompts the decoder prefills cheaply itself (off: None)."""
