@@ -282,6 +282,11 @@ def test_the_scanner_reads_only_the_common_shape() -> None:
     assert scanner.scan(line.replace('"finish_reason":null', '"finish_reason":"stop"')) is None
     assert scanner.scan(line.replace("[1,22]", "[1,,22]")) is None
     assert scanner.scan(line.replace("]}]}", "]}],}")) is None
+    ids_first = line.replace(
+        ',"finish_reason":null,"token_ids":[1,22]', ',"token_ids":[1,22],"finish_reason":null'
+    )
+    assert ids_first != line
+    assert scanner.scan(ids_first) == scanner.scan(line)  # the simulator's order
     other = line.replace("engine-model", "another-model")  # a new prefix is matched again
     assert scanner.scan(other) == scanner.scan(line)
     assert scanner.scan(line[:-1] + ',"usage":{"prompt_tokens":1}}') is None

@@ -53,10 +53,11 @@ def _head(obj: str) -> re.Pattern[str]:
 
 
 def _choice(opener: str, closer: str) -> re.Pattern[str]:
-    """The one choice: vLLM's member order, or the text and ``logprobs`` swapped."""
+    """The one choice in vLLM's member order, or the text and ``logprobs`` swapped, or the
+    token ids before the finish reason (the simulator's order)."""
     text = rf"{opener}({_STRING}){closer}"
     return re.compile(
-        rf'\{{"index":0,(?:{text},"logprobs":null|"logprobs":null,{text})'
+        rf'\{{"index":0,(?:{text},"logprobs":null|"logprobs":null,{text}){_IDS}'
         rf',"finish_reason":null(?:,"stop_reason":null)?{_IDS}'
         rf'(?:,"prompt_token_ids":null)?\}}\]{_TAIL}'
     )
@@ -102,8 +103,8 @@ class ChunkScanner:
         match = self._choice.fullmatch(data, len(prefix))
         if match is None:
             return None
-        first, second, ids = match.group(1, 2, 3)
-        return (second if first is None else first), ids
+        first, second, ids, later_ids = match.group(1, 2, 3, 4)
+        return (second if first is None else first), (later_ids if ids is None else ids)
 
 
 _CHAT_HEAD: Final = _head(r"chat\.completion\.chunk")
