@@ -29,17 +29,21 @@ _QUOTE: Final = '"'
 class EngineText(str):
     """``str`` plus :attr:`json`, the JSON string literal (quotes included) it was decoded from.
 
-    The caller guarantees that ``json`` is a valid JSON string literal whose
+    Built as ``EngineText(text)`` with ``json`` set at once (str's own
+    constructor, no Python call: see :func:`engine_text`).  The caller
+    guarantees that ``json`` is a valid JSON string literal whose
     value is ``text`` and that holds no raw control character (so it fits in
     one SSE ``data:`` line).
     """
 
     json: str
 
-    def __new__(cls, text: str, literal: str) -> EngineText:
-        self = super().__new__(cls, text)
-        self.json = literal
-        return self
+
+def engine_text(text: str, literal: str) -> EngineText:
+    """``text`` with its literal (on the hot path the two lines are written inline)."""
+    value = EngineText(text)
+    value.json = literal
+    return value
 
 
 def joined_literal(literals: list[str]) -> str:

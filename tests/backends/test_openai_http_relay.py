@@ -14,11 +14,11 @@ import pytest
 import trio
 
 from epd_actors.backends.openai_http.contract import DeltaParser, ReplyError, StreamFailed
-from epd_actors.backends.openai_http.relay import ChunkScanner, literal_text, token_ids
+from epd_actors.backends.openai_http.relay import ChunkScanner
 from epd_actors.core.output_relay import OutputRelay, delta_event
 from epd_actors.handoff import open_handoff
 from epd_actors.http.sse import SseDecoder
-from epd_actors.openai.engine_text import EngineText, joined_literal
+from epd_actors.openai.engine_text import EngineText, engine_text, joined_literal
 from epd_actors.openai.format import SseFormatter
 from epd_actors.protocol import Delta, Usage
 from epd_actors.request import DeltaEvent, GenerationEvent
@@ -186,7 +186,7 @@ def test_a_model_alias_and_the_router_s_id_replace_the_engine_s() -> None:
 
 
 def test_a_joined_string_is_a_plain_str_again() -> None:
-    text = EngineText("ab", '"ab"')
+    text = engine_text("ab", '"ab"')
     assert text == "ab"
     assert type(text + "c") is str
     assert type("".join([text, text])) is str
@@ -274,10 +274,9 @@ def test_a_chunk_that_is_not_json_is_refused_as_before(bad: bytes) -> None:
 def test_the_scanner_reads_only_the_common_shape() -> None:
     scanner = ChunkScanner(chat=True)
     line = chat_event(' a\\"', [1, 22]).decode()[len("data: ") : -2]
-    assert scanner.scan(line) == ('" a\\\\\\""', "1,22")
-    literal, ids = scanner.scan(line) or ("", None)
-    assert literal_text(literal) == ' a\\"'
-    assert token_ids(ids) == [1, 22]
+    assert scanner.scan(line) == (' a\\"', '" a\\\\\\""', "1,22")
+    plain = chat_event(" plain", [5]).decode()[len("data: ") : -2]
+    assert scanner.scan(plain) == (" plain", '" plain"', "5")
     assert scanner.scan(line.replace('"index":0', '"index":0,"extra":1')) is None
     assert scanner.scan(line.replace('"finish_reason":null', '"finish_reason":"stop"')) is None
     assert scanner.scan(line.replace("[1,22]", "[1,,22]")) is None
@@ -291,8 +290,9 @@ def test_the_scanner_reads_only_the_common_shape() -> None:
     assert scanner.scan(other) == scanner.scan(line)
     assert scanner.scan(line[:-1] + ',"usage":{"prompt_tokens":1}}') is None
     assert ChunkScanner(chat=False).scan(line) is None
-    assert literal_text('"\\ud83d\\ude00"') == "\U0001f600"
-    assert literal_text('"\\x"') is None
+    emoji = chat_event("\U0001f600", None, ascii_only=True).decode()[len("data: ") : -2]
+    assert scanner.scan(emoji) == ("\U0001f600", '"\\ud83d\\ude00"', None)
+    assert scanner.scan(emoji.replace("\\ude00", "\\x")) is None
 
 
 def test_relay_off_never_keeps_a_literal() -> None:

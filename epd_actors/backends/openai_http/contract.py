@@ -47,7 +47,7 @@ from ...errors import InvalidRequest
 from ...http.sse import DONE_DATA, SseError, SseEvent
 from ...openai.engine_text import EngineText, joined_literal
 from ...protocol import Delta, StageResult, TokenLogprob, Usage, merge_delta_fields
-from .relay import ChunkScanner, literal_text, token_ids
+from .relay import ChunkScanner
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -551,18 +551,15 @@ class DeltaParser:
         """Take a text-only chunk without parsing it; False for any other."""
         assert self._scanner is not None
         found = self._scanner.scan(data)
-        if found is None:
+        if found is None:  # another shape, or a bad escape (the parse reports it)
             return False
-        literal, ids = found
-        text = literal_text(literal)
-        if text is None:  # a bad escape: the parse reports it
-            return False
+        text, literal, ids = found
         if text:
             self._text.append(text)
             if self._literals is not None:
                 self._literals.append(literal)
         if ids is not None:
-            self._token_ids += token_ids(ids)
+            self._token_ids += map(int, ids.split(","))
             self._logprobs = self._tokens = self._tops = None  # "logprobs":null
         return True
 
@@ -639,7 +636,8 @@ class DeltaParser:
         text = "".join(self._text)
         literals = self._literals
         if literals:
-            text = EngineText(text, joined_literal(literals))
+            text = EngineText(text)
+            text.json = literals[0] if len(literals) == 1 else joined_literal(literals)
         delta = Delta(
             self.request_id,
             token_ids=tuple(self._token_ids),

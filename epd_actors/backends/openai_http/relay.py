@@ -13,7 +13,8 @@ router must learn from such a chunk is its text and its token ids: it carries
 no finish reason, no usage, no error, no log-probabilities, no tool calls and
 no second choice.  :func:`scan_chunk` matches exactly that shape -- the choice's
 members in any order, each with the one value it may have -- and returns the
-``content``/``text`` member's JSON string literal and the token ids as written.
+``content``/``text`` member's text, its JSON string literal and the token ids
+as written.
 Every other event (the chat role chunk, the finish and usage chunks, an error,
 logprobs, ``tool_calls``, ``n > 1``, anything unexpected) does not match and
 takes the full parse (:class:`~.contract.DeltaParser`), so what the router
@@ -23,10 +24,10 @@ The literal is reused as the router's own chunk's text
 (:class:`~epd_actors.openai.engine_text.EngineText`), so it must be a valid JSON
 string that fits in one SSE line: the expression refuses raw control
 characters (a ``data:`` line split over two lines joins with a newline), and
-:func:`literal_text` decodes any escape with the standard decoder, which
-refuses bad ones (the chunk then takes the full parse, which reports it).
+an escape is decoded with the standard decoder, which refuses bad ones (the
+chunk then takes the full parse, which reports it).
 
-Nothing here does I/O or keeps state.
+Nothing here does I/O; a scanner keeps only its stream's chunk prefix.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ _COMPLETION_CHOICE: Final = _choice(r'"text":', "")
 # The standard decoder's string scanner (C); typeshed does not declare it.
 _decode_string: Final[Callable[[str, int], tuple[str, int]]] = json.decoder.scanstring  # type: ignore[attr-defined]
 
+_CHAT_HEAD: Final = _head(r"chat\.completion\.chunk")
+_COMPLETION_HEAD: Final = _head("text_completion")
+
 
 class ChunkScanner:
     """:meth:`scan` for the events of one stream (chat or completion chunks).
@@ -87,12 +91,13 @@ class ChunkScanner:
         self._choice = _CHAT_CHOICE if chat else _COMPLETION_CHOICE
         self._prefix: str | None = None
 
-    def scan(self, data: str) -> tuple[str, str | None] | None:
-        """``(literal, token ids)`` of a text-only chunk, or None for any other event.
+    def scan(self, data: str) -> tuple[str, str, str | None] | None:
+        """``(text, literal, token ids)`` of a text-only chunk, or None for any other event.
 
         ``literal`` is the text's JSON string literal, quotes included; the
         token ids are the array's inside as written (``"12,34"``), None when
-        the chunk has no ``token_ids`` or an empty array.
+        the chunk has no ``token_ids`` or an empty array.  None also when the
+        literal holds an escape the standard decoder refuses.
         """
         prefix = self._prefix
         if prefix is None or not data.startswith(prefix):
@@ -104,26 +109,13 @@ class ChunkScanner:
         if match is None:
             return None
         first, second, ids, later_ids = match.group(1, 2, 3, 4)
-        return (second if first is None else first), (later_ids if ids is None else ids)
-
-
-_CHAT_HEAD: Final = _head(r"chat\.completion\.chunk")
-_COMPLETION_HEAD: Final = _head("text_completion")
-
-
-def literal_text(literal: str) -> str | None:
-    """The value of a JSON string literal from :func:`scan_chunk`; None if an escape is bad."""
-    if "\\" not in literal:
-        return literal[1:-1]
-    try:
-        text, end = _decode_string(literal, 1)
-    except ValueError:
-        return None
-    return text if end == len(literal) else None
-
-
-def token_ids(ids: str | None) -> list[int]:
-    """The token ids :func:`scan_chunk` returned, as ints."""
-    if ids is None:
-        return []
-    return [int(token) for token in ids.split(",")]
+        literal = second if first is None else first
+        if "\\" not in literal:
+            return literal[1:-1], literal, (later_ids if ids is None else ids)
+        try:
+            text, end = _decode_string(literal, 1)
+        except ValueError:
+            return None
+        if end != len(literal):
+            return None
+        return text, literal, (later_ids if ids is None else ids)
