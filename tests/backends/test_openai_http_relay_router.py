@@ -8,11 +8,13 @@ no retry and an error after it) hold with the relay on.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pytest
 
+from epd_actors.frontends.http_app import HttpSettings, RouterHttpApp
 from epd_actors.openai.engine_text import EngineText
 from epd_actors.openai.format import SseFormatter
 from epd_actors.protocol import ChatMessage, Prompt, SamplingParams
@@ -26,6 +28,7 @@ from tests.backends.test_openai_http_backend import (
     sim_http_fleet,
     text_of,
 )
+from tests.frontends.test_http_frontend import connected
 
 if TYPE_CHECKING:
     from epd_actors.request import GenerationEvent
@@ -92,3 +95,39 @@ async def test_a_decoder_that_fails_after_its_first_token_ends_the_request_with_
     assert not any(isinstance(e, DoneEvent) for e in events)
     assert text_of(events)  # the output had started: no retry
     assert fleet.log("decode-1") == []
+
+
+async def _sse_body(relay: bool, stream_body: dict[str, object]) -> str:
+    """The SSE body, one event per engine chunk (how reads merge chunks is timing)."""
+    settings = replace(FAST, relay_engine_text=relay, merge_reads=False)
+    one_per_delta = HttpSettings(linger_s=0.5, stream_coalescing="off")
+    async with (
+        sim_http_fleet({"prefill": 1, "decode": 1}, configs={"decode": ONE_TOKEN}) as fleet,
+        fleet_router(fleet, settings=settings) as router,
+        connected(RouterHttpApp(router), one_per_delta) as client,
+    ):
+        reply = await client.request(
+            "POST",
+            "/v1/chat/completions",
+            json_body=stream_body,
+            headers=(("x-request-id", "r1"),),
+        )
+    assert reply.status == 200
+    text = reply.body.decode()
+    text = re.sub(r'"created":[0-9]+', '"created":0', text)
+    return re.sub(r"^: timings .*$", ": timings", text, flags=re.MULTILINE)
+
+
+async def test_an_sse_client_gets_the_same_bytes_with_the_relay_on_and_off() -> None:
+    body = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    on, off = await _sse_body(True, body), await _sse_body(False, body)
+    assert on == off
+    assert on.count('"delta":{"content":') == 12  # one chunk per token
+    assert "token_ids" not in on
+    assert on.endswith("data: [DONE]\n\n")
