@@ -30,6 +30,10 @@ one chunk and the usage in a later one, so the parser holds the finish reason
 back until the usage chunk or ``[DONE]`` arrives and emits one terminal delta
 with both.  Every event parsed from one network read is merged into a single
 delta, so a burst of tokens costs the router one hand-off, not one per token.
+A chunk of only text and token ids -- nearly every event -- need not be
+parsed: with ``relay`` the parser recognises it with
+:class:`~epd_actors.backends.openai_http.relay.ChunkScanner` and keeps vLLM's
+JSON literal of the text with it, for the SSE front end to reuse.
 
 Nothing here does I/O: :mod:`epd_actors.backends.openai_http.backend` sends the calls, through
 :mod:`epd_actors.http.client`.
