@@ -288,6 +288,7 @@ def test_the_scanner_reads_only_the_common_shape() -> None:
     )
     assert ids_first != line
     assert scanner.scan(ids_first) == scanner.scan(line)  # the simulator's order
+    assert scanner.scan(line.replace("[1,22]", "null")) == (' a\\"', '" a\\\\\\""', None)
     other = line.replace("engine-model", "another-model")  # a new prefix is matched again
     assert scanner.scan(other) == scanner.scan(line)
     assert scanner.scan(line[:-1] + ',"usage":{"prompt_tokens":1}}') is None

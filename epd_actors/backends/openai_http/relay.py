@@ -11,10 +11,13 @@ Nearly every event of a streamed vLLM answer is one token of text::
 (``"text":" tok"`` in place of the ``delta`` for ``/v1/completions``).  All the
 router must learn from such a chunk is its text and its token ids: it carries
 no finish reason, no usage, no error, no log-probabilities, no tool calls and
-no second choice.  :func:`scan_chunk` matches exactly that shape -- the choice's
-members in any order, each with the one value it may have -- and returns the
-``content``/``text`` member's text, its JSON string literal and the token ids
-as written.
+no second choice.  :meth:`ChunkScanner.scan` matches exactly that shape and
+returns the ``content``/``text`` member's text, its JSON string literal and
+the token ids as written.  The stream's prefix (``id`` to ``model``) is matched
+once and then compared; the choice is one expression over vLLM's member order
+(``logprobs`` before the text and the token ids before the finish reason are
+taken too, as the simulator writes them), with ``stop_reason``, ``token_ids``
+(an array or null), ``prompt_token_ids`` and ``usage`` optional and null.
 Every other event (the chat role chunk, the finish and usage chunks, an error,
 logprobs, ``tool_calls``, ``n > 1``, anything unexpected) does not match and
 takes the full parse (:class:`~.contract.DeltaParser`), so what the router
@@ -42,7 +45,8 @@ if TYPE_CHECKING:
 _STRING: Final = r'"[^"\\\x00-\x1f]*(?:\\.[^"\\\x00-\x1f]*)*"'
 """A JSON string literal without raw control characters (escapes checked on decoding)."""
 _PLAIN_STRING: Final = r'"[^"\\\x00-\x1f]*"'
-_IDS: Final = r'(?:,"token_ids":\[([0-9]+(?:,[0-9]+)*)?\])?'
+_IDS: Final = r'(?:,"token_ids":(?:\[([0-9]+(?:,[0-9]+)*)?\]|null))?'
+"""The optional token ids (null when vLLM was not asked for them)."""
 _TAIL: Final = r'(?:,"usage":null)?(?:,"prompt_token_ids":null)?\}'
 
 
