@@ -12,6 +12,10 @@ chunk.  This times each of them in a loop (``timeit``, the best of
   ``chat.completion.chunk`` per token, ``return_token_ids`` on), through
   ``SseDecoder`` and ``DeltaParser``: fed one event per call (a read per token,
   as in a paced stream) and all at once (one read for the stream);
+* ``chunk -> client SSE``: the same stream, one event per read, through the
+  decoder, the parser and the front end's ``SseFormatter`` (worker bytes to
+  client text), with the ``openai_http`` relay of text chunks on (``relay``)
+  and off (``parse``), when this checkout has the relay;
 * ``SSE chunk framing``: one rendered delta framed as an HTTP/1.1 chunk by
   ``h11.Data`` and by the front end's own framer, when this checkout has one;
 * ``relay a delta``: one one-token delta through the output relay to a caller
@@ -73,7 +77,8 @@ def vllm_event(index: int, finish: str | None = None) -> bytes:
             }
         ],
     }
-    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    # Compact, as vLLM writes it (pydantic's ``model_dump_json``).
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
 
 class _Progress:
@@ -118,6 +123,70 @@ def relay_calls(deltas: int = 1000) -> tuple[float, float]:
         return calls["call"] / deltas, calls["c_call"] / deltas
 
     return trio.run(count)
+
+
+def relay_lines(events: list[bytes], number: int, repeat: int) -> None:
+    """The HTTP backend's relay of text chunks, where this checkout has it, against the parse.
+
+    ``chunk -> client SSE``: one event per read through the decoder, the
+    parser and the front end's formatter (what a token costs from the
+    worker's bytes to the client's), with ``relay`` on and off.
+    """
+    try:
+        from epd_actors.backends.openai_http.relay import ChunkScanner  # noqa: F401
+    except ImportError:
+        modes = [False]
+    else:
+        modes = [True, False]
+    from epd_actors.core.output_relay import delta_event
+    from epd_actors.openai.format import SseFormatter
+
+    def to_client(relay: bool) -> Callable[[], None]:
+        options = {"relay": True} if relay else {}
+
+        def run() -> None:
+            decoder = SseDecoder(1 << 20)
+            deltas = DeltaParser("r", chat=True, **options)  # type: ignore[arg-type]
+            formatter = SseFormatter("chat", request_id="r", model="m", created=1)
+            for event in events:
+                deltas.feed(decoder.feed(event))
+                delta = deltas.take()
+                if delta is not None and delta.text:
+                    formatter.event(delta_event(delta))
+
+        return run
+
+    runs = max(1, number // TOKENS)
+    for relay in modes:
+        label = "relay" if relay else "parse"
+        print(
+            f"chunk -> client SSE   {per_item(to_client(relay), TOKENS, runs, repeat):6.2f} µs"
+            f"   (one event per read, {label})"
+        )
+    for relay in modes:
+        label = "relay" if relay else "parse"
+        python_calls, c_calls = calls_per_token(to_client(relay))
+        print(
+            f"chunk -> client SSE   {python_calls:6.1f} Python calls, {c_calls:.1f} C calls"
+            f"   ({label})"
+        )
+
+
+def calls_per_token(work: Callable[[], None]) -> tuple[float, float]:
+    """Python and C function calls per token of one run of ``work`` (a 64-token stream)."""
+    work()  # warm up (regular expressions compiled, caches filled)
+    calls = {"call": 0, "c_call": 0}
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        if event in calls:
+            calls[event] += 1
+
+    sys.setprofile(profile)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+    return calls["call"] / TOKENS, calls["c_call"] / TOKENS
 
 
 def gap_record() -> dict[str, object]:
@@ -167,6 +236,7 @@ def main() -> None:
         f"vLLM chunk -> delta   {per_item(stream_per_read, TOKENS, runs, repeat):6.2f} µs"
         "   (the whole stream in one read)"
     )
+    relay_lines(events, number, repeat)
 
     piece = b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"text":" token"}]}\n\n'
     connection = h11.Connection(h11.SERVER)

@@ -14,6 +14,10 @@ as :func:`epd_actors.http.sse.encode_event` frames one line of data (the
 templates are built from its ``DATA_PREFIX`` and ``EVENT_END``; comments,
 ``error`` events and ``[DONE]`` come from that module as they are).
 
+Text that came from ``vllm serve`` with its JSON string literal
+(:class:`~.engine_text.EngineText`) is written as that literal, not encoded
+again.
+
 Log-probabilities and chat-delta ``fields`` (``tool_calls`` pieces,
 ``reasoning_content``) take the slower dict path: they are rare and
 structured.  Each logprob entry is rendered in vLLM's shape: the token's text
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING, Final, Literal, Protocol
 
 from ..http.sse import DATA_PREFIX, DONE_EVENT, EVENT_END, encode_comment, encode_event
 from ..protocol import merge_delta_fields
+from .engine_text import EngineText
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -68,6 +73,11 @@ MIN_LOGPROB: Final = -9999.0
 
 def _dumps(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _text_json(text: str) -> str:
+    """``text`` as a JSON string: the engine's own literal when it came with one."""
+    return text.json if type(text) is EngineText else _dumps(text)
 
 
 def unix_time() -> int:
@@ -293,7 +303,7 @@ class SseFormatter:
         """
         with_logprobs = self._logprobs and logprobs is not None
         if not with_logprobs and not fields:
-            return self._prefix + _dumps(text) + self._suffix
+            return self._prefix + _text_json(text) + self._suffix
         body = (
             logprobs_body(self._kind, token_ids, logprobs, tokens, top_logprobs)
             if with_logprobs
@@ -304,7 +314,10 @@ class SseFormatter:
     def event(self, event: DeltaEvent) -> str:
         """:meth:`delta` for a router ``DeltaEvent`` (the template inline, for the hot path)."""
         if event.fields is None and (not self._logprobs or event.logprobs is None):
-            return self._prefix + _dumps(event.text) + self._suffix
+            text = event.text
+            if type(text) is EngineText:
+                return self._prefix + text.json + self._suffix
+            return self._prefix + _dumps(text) + self._suffix
         return self.delta(
             event.text,
             event.token_ids,

@@ -298,14 +298,15 @@ def test_the_per_token_cost_benchmark_times_every_step() -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) == 8
+    assert len(lines) == 12
     timed = [line for line in lines if " µs" in line]
-    assert len(timed) == 7  # every step, and one line of call counts
+    assert len(timed) == 9  # every step, and three lines of call counts
     for line in timed:
         micros = float(line.split(" µs")[0].split()[-1])
         assert micros > 0, line
     assert "(74-byte frame)" in lines[0]
     assert any("Python calls" in line for line in lines)
+    assert any("(one event per read, relay)" in line for line in timed)
 
 
 # ---------------------------------------------------------------- operator options

@@ -198,7 +198,9 @@ class OpenAIHttpDeltaStream:
         self._call = call
         self._reply = reply
         self._decoder = SseDecoder(backend.settings.max_event_bytes)
-        self._parser = DeltaParser(call.request_id, chat=call.chat)
+        self._parser = DeltaParser(
+            call.request_id, chat=call.chat, relay=backend.settings.relay_engine_text
+        )
         self._merge = backend.settings.merge_reads
         self._unparsed: deque[SseEvent] = deque()  # without merge_reads: read, not parsed
         self._down: str | None = None  # why the worker was declared down mid-stream

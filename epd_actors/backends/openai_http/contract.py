@@ -30,6 +30,10 @@ one chunk and the usage in a later one, so the parser holds the finish reason
 back until the usage chunk or ``[DONE]`` arrives and emits one terminal delta
 with both.  Every event parsed from one network read is merged into a single
 delta, so a burst of tokens costs the router one hand-off, not one per token.
+A chunk of only text and token ids -- nearly every event -- need not be
+parsed: with ``relay`` the parser recognises it with
+:class:`~epd_actors.backends.openai_http.relay.ChunkScanner` and keeps vLLM's
+JSON literal of the text with it, for the SSE front end to reuse.
 
 Nothing here does I/O: :mod:`epd_actors.backends.openai_http.backend` sends the calls, through
 :mod:`epd_actors.http.client`.
@@ -45,7 +49,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ...errors import InvalidRequest
 from ...http.sse import DONE_DATA, SseError, SseEvent
+from ...openai.engine_text import EngineText, joined_literal
 from ...protocol import Delta, StageResult, TokenLogprob, Usage, merge_delta_fields
+from .relay import ChunkScanner
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -477,9 +483,17 @@ class DeltaParser:
     content and token ids -- nearly every chunk -- pays two dict look-ups
     for all of this.
 
+    With ``relay``, such a chunk is not parsed at all: a
+    :class:`~.relay.ChunkScanner` recognises it and the delta's text is an
+    :class:`~epd_actors.openai.engine_text.EngineText` carrying the engine's
+    string literal, for the SSE front end to write as it is (while every
+    piece of the pending text came that way; one parsed piece makes it a
+    plain ``str``).  The deltas are otherwise the same.
+
     Args:
         request_id: the request the deltas belong to.
         chat: chat chunks (``delta.content``) rather than completion chunks (``text``).
+        relay: recognise text-only chunks without parsing them.
     """
 
     __slots__ = (
@@ -487,7 +501,9 @@ class DeltaParser:
         "_done",
         "_fields",
         "_finish",
+        "_literals",
         "_logprobs",
+        "_scanner",
         "_text",
         "_token_ids",
         "_tokens",
@@ -497,10 +513,13 @@ class DeltaParser:
         "terminal_sent",
     )
 
-    def __init__(self, request_id: str, *, chat: bool) -> None:
+    def __init__(self, request_id: str, *, chat: bool, relay: bool = False) -> None:
         self.request_id = request_id
         self._chat = chat
+        self._scanner = ChunkScanner(chat=chat) if relay else None
         self._text: list[str] = []
+        # The engine's literals of the pending text; None once a piece was parsed.
+        self._literals: list[str] | None = [] if relay else None
         self._token_ids: list[int] = []
         # Per-token arrays: None once a chunk with token ids came without them.
         self._logprobs: list[float] | None = []
@@ -525,10 +544,28 @@ class DeltaParser:
                 continue
             if self._done:
                 continue
+            if self._scanner is not None and not event.event and self._scanned(event.data):
+                continue
             chunk = _event_object(event.data)
             if event.event == "error" or "error" in chunk or chunk.get("object") == "error":
                 raise StreamFailed(error_message(event.data))
             self._chunk(chunk)
+
+    def _scanned(self, data: str) -> bool:
+        """Take a text-only chunk without parsing it; False for any other."""
+        assert self._scanner is not None
+        found = self._scanner.scan(data)
+        if found is None:  # another shape, or a bad escape (the parse reports it)
+            return False
+        text, literal, ids = found
+        if text:
+            self._text.append(text)
+            if self._literals is not None:
+                self._literals.append(literal)
+        if ids is not None:
+            self._token_ids += map(int, ids.split(","))
+            self._logprobs = self._tokens = self._tops = None  # "logprobs":null
+        return True
 
     def _chunk(self, chunk: JsonObject) -> None:
         usage = chunk.get("usage")
@@ -555,6 +592,7 @@ class DeltaParser:
             text = choice.get("text")
         if isinstance(text, str) and text:
             self._text.append(text)
+            self._literals = None
         ids = choice.get("token_ids")
         new_ids = [t for t in ids if type(t) is int] if isinstance(ids, list) else []
         if new_ids:
@@ -599,10 +637,15 @@ class DeltaParser:
 
     def _emit(self, terminal: bool) -> Delta:
         with_ids = bool(self._token_ids)
+        text = "".join(self._text)
+        literals = self._literals
+        if literals:
+            text = EngineText(text)
+            text.json = literals[0] if len(literals) == 1 else joined_literal(literals)
         delta = Delta(
             self.request_id,
             token_ids=tuple(self._token_ids),
-            text="".join(self._text),
+            text=text,
             logprobs=_per_token_tuple(self._logprobs, with_ids),
             finish_reason=self._finish if terminal else None,
             usage=self._usage if terminal else None,
@@ -611,6 +654,7 @@ class DeltaParser:
             fields=self._fields,
         )
         self._text, self._token_ids, self._fields = [], [], None
+        self._literals = None if self._scanner is None else []
         self._logprobs, self._tokens, self._tops = [], [], []
         self.terminal_sent = terminal
         return delta

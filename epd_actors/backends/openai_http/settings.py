@@ -89,6 +89,10 @@ class OpenAIHttpSettings:
         merge_reads: the SSE chunks of one network read are handed on as
             one delta; False: one delta per chunk, as vLLM sent them
             (``[server] stream_coalescing = "off"`` sets it).
+        relay_engine_text: a stream chunk of only text (and token ids) is
+            recognised without a JSON parse, and its text goes to an SSE
+            client as vLLM encoded it (:mod:`.relay`); False: every chunk
+            is parsed, and the text encoded again.
     """
 
     connect_timeout_s: float = 5.0
@@ -111,6 +115,7 @@ class OpenAIHttpSettings:
     ledger_capacity: int = 4096
     lora_load_timeout_s: float = 60.0
     merge_reads: bool = True
+    relay_engine_text: bool = True
 
     def __post_init__(self) -> None:
         for name in _DURATIONS:
