@@ -98,6 +98,7 @@ from ..protocol import (
     Usage,
 )
 from ..worker.engine import check_option_names
+from .engine import SimEngine
 from .lora import LoraRefused, SimLoraAdapters
 
 if TYPE_CHECKING:
@@ -425,7 +426,7 @@ class SimOpenAIServer:
             "# TYPE vllm:num_requests_waiting gauge\n"
             f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
         )
-        cache = self.engine.prefix_cache
+        cache = self.engine.prefix_cache if isinstance(self.engine, SimEngine) else None
         if cache is None:
             return text
         counters = cache.counters()

@@ -171,8 +171,9 @@ async def test_metrics_count_prefix_cache_queries_and_hits_in_tokens() -> None:
 
 async def test_metrics_have_no_prefix_cache_counters_without_a_cache() -> None:
     async with sim_http_fleet({"pd": 1}) as fleet:
-        async with httpx.AsyncClient(base_url=fleet.servers["pd-0"].url, timeout=GUARD_S) as c:
-            text = (await c.get("/metrics")).text
+        url = fleet.servers["pd-0"].url
+        async with httpx.AsyncClient(base_url=url, timeout=GUARD_S) as client:
+            text = (await client.get("/metrics")).text
     assert "vllm:num_requests_running{" in text
     assert "prefix_cache" not in text
 
