@@ -18,19 +18,11 @@ from epd_actors.http.server import (
     ServerConnection,
     ServerLimits,
 )
+from tests.http.test_http_server import LIMITS
 from tests.http_wire import exchange, responses
 
 if TYPE_CHECKING:
     import h11
-
-LIMITS = ServerLimits(
-    max_header_bytes=1024,
-    max_body_bytes=64,
-    keep_alive_timeout_s=10.0,
-    body_timeout_s=5.0,
-    write_timeout_s=5.0,
-    max_connections=2,
-)
 
 
 class Checked:
