@@ -156,7 +156,7 @@ def plain_error(status: int, message: str) -> HttpResponse:
     return HttpResponse.text(status, message + "\n")
 
 
-def closing(response: HttpResponse) -> HttpResponse:
+def _closing(response: HttpResponse) -> HttpResponse:
     """``response`` with ``connection: close`` added."""
     return HttpResponse(
         response.status,
@@ -271,7 +271,8 @@ class Exchanges(Protocol):
     Each method is called in the connection's task; it may raise
     :class:`ClientGone` (the connection ends quietly) or anything else (the
     shell's error boundary: logged, then :meth:`failed`).  Cancellation:
-    cancelling the connection cancels the call.
+    cancelling the connection cancels the call.  Backpressure: one call at a
+    time per connection; the next head is read only once :meth:`answer` returned.
     """
 
     async def answer(self, head: h11.Request) -> None:
@@ -326,7 +327,7 @@ class _WholeRequests:
             )
             if not responder.started:
                 await responder.respond(
-                    closing(server.error_response(500, "internal server error"))
+                    _closing(server.error_response(500, "internal server error"))
                 )
             return False
         if not responder.finished:
@@ -335,7 +336,7 @@ class _WholeRequests:
             )
             if not responder.started:
                 answer = server.error_response(500, "the request was not answered")
-                await responder.respond(closing(answer))
+                await responder.respond(_closing(answer))
             return False
         return True
 
@@ -343,7 +344,7 @@ class _WholeRequests:
         self._conn.close_after = True
         if not self._conn.started:
             answer = self._server.error_response(refusal.status, refusal.message)
-            await Responder(self._conn, head_only=False).respond(closing(answer))
+            await Responder(self._conn, head_only=False).respond(_closing(answer))
 
     async def failed(self) -> None:
         await self.refuse(Refusal(500, "internal server error"))
@@ -469,7 +470,7 @@ class HttpServer:
         try:
             if self.busy_response is not None:
                 conn = ServerConnection(stream, self.limits)
-                await Responder(conn, head_only=False).respond(closing(self.busy_response))
+                await Responder(conn, head_only=False).respond(_closing(self.busy_response))
         except ClientGone:
             self.log.debug("%s: a refused connection closed before its answer", self.name)
         finally:
