@@ -99,16 +99,21 @@ async def serve_http(
     """
     settings = settings or HttpSettings()
     async with open_allowed_fetcher(settings.media) as fetcher:
-        await trio.serve_listeners(
-            HttpServer(app, settings, fetcher=fetcher, websocket=websocket).handle_connection,
-            listeners,
-            handler_nursery=handler_nursery,
-            task_status=task_status,
-        )
+        server = HttpServer(app, settings, fetcher=fetcher, websocket=websocket)
+        await server.serve(listeners, handler_nursery=handler_nursery, task_status=task_status)
 
 
-class HttpServer:
+class HttpServer(ServerShell):
     """Serves HTTP connections for one app; call :meth:`handle_connection` per stream.
+
+    The server shell, configured with the front end's limits, its exchanges
+    (:class:`~.http_connection.HttpConnection`, one per connection), its 503
+    and the WebSocket hand-off; so :meth:`handle_connection` (the shell's) is
+    each connection's error boundary: an unexpected exception (a bug) is logged
+    with its traceback and closes that connection only, after a best-effort
+    500.  Cancellation: cancels the connection's request (its workers are told
+    to abort) and closes the stream forcefully.  Backpressure: one request at a
+    time per connection.
 
     Args:
         app: what requests run against.
@@ -135,9 +140,9 @@ class HttpServer:
         self._api_keys = tuple(key.encode() for key in settings.api_keys)
         self._admin_keys = tuple(key.encode() for key in settings.admin_keys)
         self._upgrade_path = None if websocket is None else websocket.settings.path
-        self.shell = ServerShell(
+        super().__init__(
             limits=shell_limits(settings),
-            exchanges=self._exchanges,
+            exchanges=self._connection_exchanges,
             busy_response=_BUSY,
             on_upgrade=None if websocket is None else websocket.handle_stream,
             name="http",
@@ -147,27 +152,7 @@ class HttpServer:
     def __repr__(self) -> str:
         return f"<HttpServer connections={self.connections}>"
 
-    @property
-    def connections(self) -> int:
-        """Connections served now."""
-        return self.shell.connections
-
-    async def handle_connection(self, stream: trio.abc.Stream) -> None:
-        """Serve one client connection until it closes, idles out, upgrades or fails.
-
-        The shell's per-connection error boundary: an unexpected exception (a
-        bug) is logged with its traceback and closes this connection only,
-        after a best-effort 500; it never reaches the accept loop.
-
-        Cancellation: cancels the connection's request (its workers are told
-        to abort) and closes the stream forcefully.
-        Backpressure: one request at a time per connection.
-        Resource handling: the stream is always closed on return (or, upgraded,
-        handed to the WebSocket server, which closes it).
-        """
-        await self.shell.handle_connection(stream)
-
-    def _exchanges(self, conn: ServerConnection) -> HttpConnection:
+    def _connection_exchanges(self, conn: ServerConnection) -> HttpConnection:
         return HttpConnection(
             conn,
             app=self.app,
