@@ -313,7 +313,10 @@ class HttpConnection:
             raise HttpError(
                 415, "content-type must be application/json", code="unsupported_media_type"
             )
-        raw = await self._read_body(self.settings.max_body_bytes)
+        declared = headers.get("content-length", "")
+        raw = await self._read_body(
+            self.settings.max_body_bytes, int(declared) if declared.isdigit() else None
+        )
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -323,14 +326,14 @@ class HttpConnection:
         reject_lone_surrogates(raw, body)
         return body
 
-    async def _read_body(self, limit: int) -> bytes:
+    async def _read_body(self, limit: int, declared: int | None = None) -> bytes:
         """The request body (at most ``limit`` bytes; the shell's refusals as ``HttpError``).
 
-        Refused before any of it is read when its declared length is over
+        Refused before any of it is read when its ``declared`` length is over
         ``limit``; ``100 Continue`` first when the client waits for it.
         """
         try:
-            return await self.conn.read_body(limit)
+            return await self.conn.read_body(limit, declared=declared)
         except Refusal as exc:
             code = _REFUSAL_CODES.get(exc.status)
             raise HttpError(exc.status, exc.message, code=code) from None

@@ -297,15 +297,17 @@ class _WholeRequests:
 
     async def answer(self, head: h11.Request) -> None:
         conn = self._conn
-        try:
-            body = await conn.read_body(conn.limits.max_body_bytes)
+        headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in head.headers)
+        declared = next((int(v) for k, v in headers if k == "content-length"), None)
+        try:  # h11 checked the digits of a Content-Length
+            body = await conn.read_body(conn.limits.max_body_bytes, declared=declared)
         except Refusal as exc:
             await self.refuse(exc)
             return
         request = HttpRequest(
             method=head.method.decode("latin-1"),
             target=head.target.decode("latin-1"),
-            headers=tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in head.headers),
+            headers=headers,
             body=body,
         )
         responder = Responder(conn, head_only=head.method == b"HEAD")

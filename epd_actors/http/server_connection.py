@@ -19,7 +19,8 @@ connection and hands to the code that answers its requests:
   under ``keep_alive_timeout_s`` (a silent close when the connection idles
   out, 408 when part of a head had arrived, 431 past ``max_header_bytes``, 400
   for what h11 cannot parse); :meth:`~ServerConnection.read_body` refuses a
-  declared ``Content-Length`` over its limit before reading (413), tells a
+  declared ``Content-Length`` (as the caller read it) over its limit before
+  reading (413), tells a
   client waiting for ``100 Continue`` to go on, and reads the body under
   ``body_timeout_s`` (408), counting (413 as soon as it passes the limit).
   Refusals are :class:`Refusal` (status and message): the caller answers them
@@ -121,7 +122,6 @@ class ServerConnection:
         writer: every response byte goes through it.
         saw_eof: the client closed its side (or the stream broke).
         close_after: the connection ends after the current answer.
-        head: the current request's head.
         upgrade: the request that switched protocols, ending HTTP.
         response: a scope the reader cancels when the client leaves (set it
             around work that a client leaving should cancel).
@@ -134,7 +134,6 @@ class ServerConnection:
         "_wanted",
         "close_after",
         "h11",
-        "head",
         "limits",
         "response",
         "saw_eof",
@@ -150,7 +149,6 @@ class ServerConnection:
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self.saw_eof = False
         self.close_after = False
-        self.head: h11.Request | None = None
         self.upgrade: h11.Request | None = None
         self.response: trio.CancelScope | None = None
         self._arrived = trio.Event()  # set by the reader when it fed h11 (or saw EOF)
@@ -205,25 +203,26 @@ class ServerConnection:
                 status = exc.error_status_hint
                 text = "request head too large" if status == 431 else f"bad request: {exc}"
                 raise Refusal(status, text) from None
-            if not isinstance(event, h11.Request):
-                return None
-            self.head = event
-            return event
+            return event if isinstance(event, h11.Request) else None
         if self.h11.their_state is h11.IDLE and self.h11.trailing_data[0]:
             raise Refusal(408, "request head timed out")
         return None
 
-    async def read_body(self, limit: int) -> bytes:
+    async def read_body(self, limit: int, *, declared: int | None = None) -> bytes:
         """The request body, at most ``limit`` bytes, within ``body_timeout_s``.
+
+        ``declared`` is the request's ``Content-Length``, when the caller read
+        it from the head: over ``limit``, the body is refused before any of it
+        is read.  A client waiting for ``100 Continue`` is told to go on first
+        (unless ``limit`` is 0: no body is wanted).
 
         Raises:
             Refusal: 413 (declared or sent beyond ``limit``), 408 (too slow),
                 400 (malformed, or cut short by the client's EOF).
             ClientGone: the connection closed mid-body.
         """
-        for name, value in self.head.headers if self.head is not None else ():
-            if name == b"content-length" and int(value) > limit:  # h11 checked the digits
-                raise Refusal(413, f"request body exceeds {limit} bytes")
+        if declared is not None and declared > limit:
+            raise Refusal(413, f"request body exceeds {limit} bytes")
         if limit and self.h11.they_are_waiting_for_100_continue:
             await self.write(self.h11.send(_CONTINUE) or b"")
         chunks: list[bytes] = []

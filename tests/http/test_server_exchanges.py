@@ -42,7 +42,8 @@ class Checked:
         if head.target == b"/boom":
             raise ZeroDivisionError("a bug")
         try:
-            body = await self.conn.read_body(8)
+            declared = next((int(v) for k, v in head.headers if k == b"content-length"), None)
+            body = await self.conn.read_body(8, declared=declared)
         except Refusal as exc:
             self.log.append(f"body refused {exc.status}")
             self.conn.close_after = True
