@@ -3,12 +3,15 @@
 Theory of operation
 -------------------
 :func:`serve_http` accepts connections with ``trio.serve_listeners`` and gives
-each to :meth:`HttpServer.handle_connection`, which serves it with one
-:class:`~.http_connection.HttpConnection` (an ``h11.Connection`` plus the
-request loop; its docstring walks through one request) and closes it.  The
-server holds what connections share: the app, the settings, the API keys
-(compared in constant time), the media fetcher, and the connection count
-(beyond ``max_connections`` a connection gets a canned 503 and is closed).
+each to :meth:`HttpServer.handle_connection`: the package's HTTP server shell
+(:class:`epd_actors.http.server.HttpServer`: the connection loop, its reader
+task, limits, keep-alive, linger, the per-connection error boundary) serves
+it, with one :class:`~.http_connection.HttpConnection` per connection as its
+exchanges (routes, auth, CORS, completions, streaming; its docstring walks
+through one request).  This server holds what connections share: the app,
+the settings (as the shell's limits), the API keys (compared in constant
+time), the media fetcher, and the shell (beyond ``max_connections`` a
+connection gets a 503 and is closed).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and ``/admin/*`` when
@@ -27,12 +30,13 @@ requests/s, a thin h11 loop on Trio ~9k.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import trio
 
+from ..http.server import HttpResponse, ServerLimits
+from ..http.server import HttpServer as ServerShell
 from ..logs import enable_access_log
 from ..openai.errors import ErrorResponse, HttpError, error_response
 from ..openai.format import error_body
@@ -41,6 +45,7 @@ from .http_connection import ROUTES, HttpConnection
 from .media_fetch import open_allowed_fetcher
 
 if TYPE_CHECKING:
+    from ..http.server_connection import ServerConnection
     from .media_fetch import MediaFetcher
     from .ws import WsServer
 
@@ -57,6 +62,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_BUSY: Final = HttpResponse.json(
+    503,
+    error_body("too many connections", type="service_unavailable_error", code="busy"),
+    headers=(("retry-after", "1"),),
+)
 
 
 async def serve_http(
@@ -88,16 +99,21 @@ async def serve_http(
     """
     settings = settings or HttpSettings()
     async with open_allowed_fetcher(settings.media) as fetcher:
-        await trio.serve_listeners(
-            HttpServer(app, settings, fetcher=fetcher, websocket=websocket).handle_connection,
-            listeners,
-            handler_nursery=handler_nursery,
-            task_status=task_status,
-        )
+        server = HttpServer(app, settings, fetcher=fetcher, websocket=websocket)
+        await server.serve(listeners, handler_nursery=handler_nursery, task_status=task_status)
 
 
-class HttpServer:
+class HttpServer(ServerShell):
     """Serves HTTP connections for one app; call :meth:`handle_connection` per stream.
+
+    The server shell, configured with the front end's limits, its exchanges
+    (:class:`~.http_connection.HttpConnection`, one per connection), its 503
+    and the WebSocket hand-off; so :meth:`handle_connection` (the shell's) is
+    each connection's error boundary: an unexpected exception (a bug) is logged
+    with its traceback and closes that connection only, after a best-effort
+    500.  Cancellation: cancels the connection's request (its workers are told
+    to abort) and closes the stream forcefully.  Backpressure: one request at a
+    time per connection.
 
     Args:
         app: what requests run against.
@@ -119,52 +135,32 @@ class HttpServer:
         self.websocket = websocket
         self.settings = settings
         self.fetcher = fetcher
-        self.connections = 0
         if settings.access_log:
             enable_access_log()
         self._api_keys = tuple(key.encode() for key in settings.api_keys)
         self._admin_keys = tuple(key.encode() for key in settings.admin_keys)
+        self._upgrade_path = None if websocket is None else websocket.settings.path
+        super().__init__(
+            limits=shell_limits(settings),
+            exchanges=self._connection_exchanges,
+            busy_response=_BUSY,
+            on_upgrade=None if websocket is None else websocket.handle_stream,
+            name="http",
+            log=logger,
+        )
 
     def __repr__(self) -> str:
         return f"<HttpServer connections={self.connections}>"
 
-    async def handle_connection(self, stream: trio.abc.Stream) -> None:
-        """Serve one client connection until it closes, idles out, or fails.
-
-        This is the per-connection error boundary: an unexpected exception (a
-        bug) is logged with its traceback and closes this connection only,
-        after a best-effort 500; it never reaches the accept loop, so one bad
-        request cannot take the server down.
-
-        Cancellation: cancels the connection's request (its workers are told
-        to abort) and closes the stream forcefully.
-        Backpressure: one request at a time per connection.
-        Resource handling: the stream is always closed on return.
-        """
-        if self.connections >= self.settings.max_connections:
-            logger.warning("refusing a connection: %d already open", self.connections)
-            await _refuse_connection(stream, self.settings)
-            return
-        self.connections += 1
-        connection = HttpConnection(
-            stream,
+    def _connection_exchanges(self, conn: ServerConnection) -> HttpConnection:
+        return HttpConnection(
+            conn,
             app=self.app,
             settings=self.settings,
             authorized=self.authorized,
             fetcher=self.fetcher,
-            upgrade_path=None if self.websocket is None else self.websocket.settings.path,
+            upgrade_path=self._upgrade_path,
         )
-        try:
-            await connection.serve()
-            if self.websocket is not None and connection.upgrade is not None:
-                # The WebSocket server's own error boundary; it closes the stream.
-                await self.websocket.handle_stream(connection.upgraded_stream())
-        except Exception:
-            logger.exception("[%s] unexpected error; closing the connection", connection.rid)
-            await connection.internal_error()
-        finally:
-            self.connections -= 1
-            await connection.close()
 
     def authorized(self, header: str, *, admin: bool = False) -> bool:
         """Whether ``Authorization: <header>`` carries an accepted key.
@@ -184,18 +180,16 @@ class HttpServer:
         return matched and scheme.lower() == "bearer"
 
 
-async def _refuse_connection(stream: trio.abc.Stream, settings: HttpSettings) -> None:
-    payload = json.dumps(
-        error_body("too many connections", type="service_unavailable_error", code="busy")
-    ).encode()
-    head = (
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-        f"retry-after: 1\r\nconnection: close\r\ncontent-length: {len(payload)}\r\n\r\n"
+def shell_limits(settings: HttpSettings) -> ServerLimits:
+    """The server shell's limits for the front end's ``settings``."""
+    return ServerLimits(
+        max_header_bytes=settings.max_header_bytes,
+        max_body_bytes=settings.max_body_bytes,
+        keep_alive_timeout_s=settings.keep_alive_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        write_timeout_s=settings.write_timeout_s,
+        max_connections=settings.max_connections,
+        linger_s=settings.linger_s,
+        receive_bytes=settings.receive_bytes,
+        max_pipelined_bytes=settings.max_pipelined_bytes,
     )
-    try:
-        with trio.move_on_after(settings.write_timeout_s):
-            await stream.send_all(head.encode() + payload)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        logger.debug("a refused connection closed before its 503")
-    finally:
-        await trio.aclose_forcefully(stream)

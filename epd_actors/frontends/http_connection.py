@@ -1,14 +1,18 @@
-"""One HTTP/1.1 client connection: its h11 state machine, request loop and responses.
+"""The OpenAI front end's answers on one connection: routes, auth, CORS, completions.
 
 Theory of operation
 -------------------
-:class:`HttpConnection` serves a connection's requests strictly one after
-another; bytes of pipelined requests that arrive early wait inside h11.  Each
-request goes through:
+The connection itself -- h11, its reader task, the request loop, bounded
+reads and writes, keep-alive, linger on close -- is the package's HTTP server
+shell (:mod:`epd_actors.http.server`, :mod:`epd_actors.http.server_connection`);
+:class:`HttpConnection` is that connection's :class:`~epd_actors.http.server.Exchanges`.
+Requests come strictly one after another; bytes of pipelined requests that
+arrive early wait inside h11.  Each request goes through:
 
-1. *head*, read under ``keep_alive_timeout_s`` (idle time between requests and
-   slow heads alike; 408 if part of a head had arrived, else a silent close).
-   h11's ``max_incomplete_event_size`` bounds the head (431).
+1. *head*, read by the shell under ``keep_alive_timeout_s`` (idle time between
+   requests and slow heads alike; 408 if part of a head had arrived, else a
+   silent close), bounded by ``max_header_bytes`` (431); the shell's refusals
+   are answered here (:meth:`HttpConnection.refuse`) in the OpenAI error shape.
 2. *checks before the body*: route (404), method (405 + ``Allow``; ``HEAD``
    is answered as ``GET`` without the body, ``OPTIONS`` with 204 and
    ``Allow``), API key
@@ -18,10 +22,10 @@ request goes through:
    chunked body passes the limit); then JSON (400), no lone surrogate in any
    string (400 naming the field, :mod:`epd_actors.openai.body_checks`), the OpenAI schema (400
    naming the field), the model name (404), pending media.
-4. *generation*: ``app.generate(request)`` runs while the connection's reader
-   task (one per connection, see :meth:`HttpConnection._read_loop`) reads the
-   socket.  EOF means the client left: the reader cancels the response, and
-   leaving the ``generate`` block is what cancels the request and makes the
+4. *generation*: ``app.generate(request)`` runs in the connection's
+   ``response`` scope while its reader task (one per connection, the shell's)
+   reads the socket.  EOF means the client left: the reader cancels the
+   response, and leaving the ``generate`` block is what cancels the request and makes the
    router abort its workers.  A failed write, or one slower than
    ``write_timeout_s``, does the same.
 
@@ -30,7 +34,9 @@ A stream that fails once its headers are out ends with an SSE ``error``
 event, no ``[DONE]``, and the end of its chunked body; the connection then
 serves the client's next request as after any other answer.  When the request body was not
 read (413, or a refusal before the body), the connection closes after the
-answer, lingering up to ``linger_s`` so the client reads it instead of a reset.
+answer, the shell lingering up to ``linger_s`` so the client reads it instead
+of a reset.  A ``GET`` of the upgrade path asking for ``Upgrade: websocket``
+ends HTTP (``ServerConnection.upgrade``): the shell gives the stream on.
 
 Streaming does no per-token work it can batch: after one event arrives, every
 event already queued is taken with ``receive_nowait()``, rendered by templating
@@ -53,10 +59,10 @@ from typing import TYPE_CHECKING, Final, Protocol
 import h11
 import trio
 
-from .._groups import single_exception
 from ..core.models import model_ids, model_list_body
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
 from ..http.body import body_framer
+from ..http.server_connection import ClientGone, Refusal
 from ..logs import ACCESS_LOGGER
 from ..openai.body_checks import reject_lone_surrogates, unknown_model
 from ..openai.errors import HttpError, error_response
@@ -64,13 +70,13 @@ from ..openai.format import AnswerBuilder, SseFormatter, error_body, unix_time
 from ..openai.schema import ParsedRequest, parse_chat_completion, parse_completion
 from ..openai.sse import render_batch
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
-from ..transport.nowait import NowaitWriter
 from .event_batches import next_batch
 from .media_fetch import resolve_media
 from .sse_direct import DirectSseWriter
-from .ws_upgrade import ReplayStream, replayed_head, wants_websocket
+from .ws_upgrade import wants_websocket
 
 if TYPE_CHECKING:
+    from ..http.server_connection import ServerConnection
     from ..request import GenerationEvent
     from .http_app import HttpApp, HttpSettings
     from .media_fetch import MediaFetcher
@@ -101,6 +107,7 @@ _REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _SSE_HEADERS: Final = (("content-type", "text/event-stream"), ("cache-control", "no-cache"))
 _METRICS_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 _PHRASES: Final = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+_REFUSAL_CODES: Final = {408: "timeout", 413: "body_too_large"}
 CLIENT_CLOSED_STATUS: Final = 499
 """The status counted and logged when the client left before the router chose an
 answer (nginx's "client closed request"); it is never sent."""
@@ -110,10 +117,6 @@ class Authorizer(Protocol):
     """Checks an ``Authorization`` header (see ``HttpServer.authorized``)."""
 
     def __call__(self, header: str, *, admin: bool = False) -> bool: ...
-
-
-class ClientGone(Exception):
-    """The client closed, reset, or stopped reading: stop serving this connection."""
 
 
 class _Failed(Exception):
@@ -145,22 +148,22 @@ class _Exchange:
 
 
 class HttpConnection:
-    """One client connection (see the module docstring).
+    """One client connection's exchanges (see the module docstring).
 
     Args:
-        stream: the connection's byte stream.
+        conn: the connection (the shell's: h11, reads, writes).
         app: what requests run against.
         settings: limits, timeouts, keys.
         authorized: checks an ``Authorization`` header (``admin=True`` for admin keys).
         fetcher: loads allowed media URLs (None: URL media are refused).
         upgrade_path: a ``GET`` of this path asking for ``Upgrade: websocket``
-            ends the HTTP part of the connection (:attr:`upgrade`; see
+            ends the HTTP part of the connection (``conn.upgrade``; see
             :mod:`.ws_upgrade`); None: no upgrades (404).
     """
 
     def __init__(
         self,
-        stream: trio.abc.Stream,
+        conn: ServerConnection,
         *,
         app: HttpApp,
         settings: HttpSettings,
@@ -168,24 +171,15 @@ class HttpConnection:
         fetcher: MediaFetcher | None = None,
         upgrade_path: str | None = None,
     ) -> None:
-        self.stream = stream
-        self.writer = NowaitWriter(stream)  # every response byte goes through it
+        self.conn = conn
+        self.h11 = conn.h11
         self.app = app
         self.settings = settings
         self._authorized = authorized
         self._fetcher = fetcher
         self._upgrade_path = upgrade_path
-        self.upgrade: h11.Request | None = None  # the WebSocket handshake that ended HTTP
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_bytes)
-        self.saw_eof = False
-        self.close_after = False
         self.exchange: _Exchange | None = None
         self._cors: tuple[tuple[str, str], ...] = ()  # CORS headers of the current answer
-        # The reader task and the request loop: see ``_read_loop``.
-        self._arrived = trio.Event()  # set by the reader when it fed h11 (or saw EOF)
-        self._wanted = trio.Event()  # set by the request loop when it waits for bytes
-        self._waiting = False  # the request loop waits for bytes
-        self._response: trio.CancelScope | None = None  # the response being generated
 
     def __repr__(self) -> str:
         return f"<HttpConnection request={self.rid} state={self.h11.states}>"
@@ -195,62 +189,17 @@ class HttpConnection:
         """The id of the current request (``-`` before the first)."""
         return self.exchange.rid if self.exchange else "-"
 
-    # -- the request loop
+    # -- the shell's calls (``Exchanges``)
 
-    async def serve(self) -> None:
-        """Serve requests until the connection should close.
-
-        One reader task (:meth:`_read_loop`) lives as long as this call; the
-        requests are served in the calling task.
-
-        Cancellation: cancels the request being served (its workers are told
-        to abort); the caller closes the stream.
-        Backpressure: one request at a time; pipelined bytes wait in h11.
-        """
-        with single_exception():
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._read_loop, name=f"http-reader:{id(self):x}")
-                try:
-                    await self._serve_requests()
-                finally:
-                    nursery.cancel_scope.cancel(reason="connection done")
-
-    async def _serve_requests(self) -> None:
-        while True:
-            request = await self._next_request()
-            if request is None:
-                return
-            await self._exchange(request)
-            if (
-                self.upgrade is not None
-                or self.close_after
-                or self.h11.our_state is not h11.DONE
-                or self.h11.their_state is not h11.DONE
-            ):
-                return
-            self.h11.start_next_cycle()
-
-    async def _next_request(self) -> h11.Request | None:
-        """The next request head, or None when the connection should close."""
-        with trio.move_on_after(self.settings.keep_alive_timeout_s):
-            try:
-                event = await self._next_event()
-            except h11.RemoteProtocolError as exc:
-                status = exc.error_status_hint
-                text = "request head too large" if status == 431 else f"bad request: {exc}"
-                await self._refuse_head(HttpError(status, text))
-                return None
-            except ClientGone:
-                return None
-            return event if isinstance(event, h11.Request) else None
-        if self.h11.their_state is h11.IDLE and self.h11.trailing_data[0]:
-            await self._refuse_head(HttpError(408, "request head timed out", code="timeout"))
-        return None
+    async def refuse(self, refusal: Refusal) -> None:
+        """Answer a head the shell refused (400, 408, 431), in the OpenAI error shape."""
+        code = _REFUSAL_CODES.get(refusal.status)
+        await self._refuse_head(HttpError(refusal.status, refusal.message, code=code))
 
     async def _refuse_head(self, exc: HttpError) -> None:
         self.exchange = exchange = _Exchange("-", "-", new_request_id(), trio.current_time())
         self._cors = ()
-        self.close_after = True
+        self.conn.close_after = True
         try:
             await self._send_error(exc)
         except ClientGone:
@@ -258,7 +207,11 @@ class HttpConnection:
         finally:
             self._log_exchange(exchange)
 
-    async def _exchange(self, request: h11.Request) -> None:
+    async def answer(self, request: h11.Request) -> None:
+        """Answer one request (route, checks, body, generation); log the exchange.
+
+        Cancellation: cancels the generation (its workers are told to abort).
+        """
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
         rid = headers.get("x-request-id", "")
         if not _REQUEST_ID.match(rid):
@@ -269,7 +222,7 @@ class HttpConnection:
         self._cors = self.settings.cors.response_headers(headers.get("origin", ""))
         if path == self._upgrade_path and wants_websocket(method, headers):
             exchange.route, exchange.status = path, 101
-            self.upgrade = request  # answered by the WebSocket server (upgraded_stream)
+            self.conn.upgrade = request  # answered by the WebSocket server (on_upgrade)
             self._log_exchange(exchange)
             return
         try:
@@ -279,10 +232,10 @@ class HttpConnection:
                 await self._send_error(exc)
             except ClientGone:
                 exchange.client_left()
-                self.close_after = True
+                self.conn.close_after = True
         except ClientGone:
             exchange.client_left()
-            self.close_after = True
+            self.conn.close_after = True
         finally:
             self._log_exchange(exchange)
 
@@ -360,13 +313,10 @@ class HttpConnection:
             raise HttpError(
                 415, "content-type must be application/json", code="unsupported_media_type"
             )
-        limit = self.settings.max_body_bytes
         declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise HttpError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-        if self.h11.they_are_waiting_for_100_continue:
-            await self._send(h11.InformationalResponse(status_code=100, headers=[]))
-        raw = await self._read_body(limit)
+        raw = await self._read_body(
+            self.settings.max_body_bytes, int(declared) if declared.isdigit() else None
+        )
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -376,76 +326,17 @@ class HttpConnection:
         reject_lone_surrogates(raw, body)
         return body
 
-    async def _read_body(self, limit: int) -> bytes:
-        """The request body (at most ``limit`` bytes), within ``body_timeout_s``."""
-        chunks: list[bytes] = []
-        size = 0
-        with trio.move_on_after(self.settings.body_timeout_s):
-            while True:
-                try:
-                    event = await self._next_event()
-                except h11.RemoteProtocolError as exc:
-                    raise HttpError(400, f"malformed request body: {exc}") from None
-                if isinstance(event, h11.Data):
-                    size += len(event.data)
-                    if size > limit:
-                        raise HttpError(
-                            413, f"request body exceeds {limit} bytes", code="body_too_large"
-                        )
-                    chunks.append(event.data)
-                elif isinstance(event, h11.EndOfMessage):
-                    return b"".join(chunks)
-                else:
-                    raise ClientGone("connection closed while sending the body")
-        raise HttpError(408, "request body timed out", code="timeout")
+    async def _read_body(self, limit: int, declared: int | None = None) -> bytes:
+        """The request body (at most ``limit`` bytes; the shell's refusals as ``HttpError``).
 
-    async def _next_event(self) -> object:
-        """The next h11 event (never ``NEED_DATA``: waits for the reader until there is one)."""
-        while True:
-            event = self.h11.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            self._arrived = trio.Event()
-            self._waiting = True
-            self._wanted.set()
-            try:
-                await self._arrived.wait()
-            finally:
-                self._waiting = False
-
-    async def _read_loop(self) -> None:
-        """The connection's only reader, for as long as it is served.
-
-        Feeds what arrives to h11 and wakes the request loop when it waits for
-        bytes.  While a response is generated it keeps reading, so that EOF
-        (the client left) cancels the response at once; at most
-        ``max_pipelined_bytes`` of the client's next requests are buffered
-        that way, beyond which it reads only when the request loop asks.
-        One task per connection, not one per request: between two requests it
-        simply stays parked in its read.
+        Refused before any of it is read when its ``declared`` length is over
+        ``limit``; ``100 Continue`` first when the client waits for it.
         """
-        limit = self.settings.max_pipelined_bytes
-        while True:
-            if len(self.h11.trailing_data[0]) > limit and not self._waiting:
-                self._wanted = trio.Event()
-                await self._wanted.wait()
-                continue
-            data = await self._receive()
-            self.h11.receive_data(data)
-            self._arrived.set()
-            if not data:
-                if self._response is not None:
-                    self._response.cancel(reason="client disconnected")
-                return
-
-    async def _receive(self) -> bytes:
         try:
-            data = await self.stream.receive_some(self.settings.receive_bytes)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            data = b""
-        if not data:
-            self.saw_eof = True
-        return bytes(data) if isinstance(data, bytearray) else data
+            return await self.conn.read_body(limit, declared=declared)
+        except Refusal as exc:
+            code = _REFUSAL_CODES.get(exc.status)
+            raise HttpError(exc.status, exc.message, code=code) from None
 
     # -- generation
 
@@ -483,10 +374,11 @@ class HttpConnection:
         comes first.
         """
         failure: HttpError | EpdError | ClientGone | _Failed | None = None
+        conn = self.conn
         with trio.CancelScope() as response:
-            if self.saw_eof:
+            if conn.saw_eof:
                 response.cancel(reason="client disconnected")
-            self._response = response
+            conn.response = response
             try:
                 if parsed.stream:
                     await self._stream(parsed)
@@ -495,8 +387,8 @@ class HttpConnection:
             except (HttpError, EpdError, ClientGone, _Failed) as exc:
                 failure = exc
             finally:
-                self._response = None
-        if self.saw_eof:
+                conn.response = None
+        if conn.saw_eof:
             logger.debug("[%s] client disconnected; request cancelled", parsed.request_id)
             raise ClientGone("client disconnected")
         if failure is not None:
@@ -538,7 +430,7 @@ class HttpConnection:
         # by the task that produced them (see sse_direct).
         frame = body_framer(self.h11)
         direct = DirectSseWriter(
-            frame, self.writer, formatter, logprobs=parsed.logprobs, exchange=self.exchange
+            frame, self.conn.writer, formatter, logprobs=parsed.logprobs, exchange=self.exchange
         )
         coalesce = self.settings.stream_coalescing == "ready"
         async with self.app.generate(parsed.request) as events:
@@ -566,7 +458,7 @@ class HttpConnection:
                 while True:
                     batch = await direct.next_batch(events)
                     if direct.failed:
-                        self.close_after = True
+                        self.conn.close_after = True
                         raise ClientGone("the client stopped reading")
                     head = direct.take_backlog()
                     if batch or not head:
@@ -583,7 +475,7 @@ class HttpConnection:
 
     def _headers(self, extra: tuple[tuple[str, str], ...] = ()) -> list[tuple[str, str]]:
         headers = [("x-request-id", self.rid), *self._cors, *extra]
-        if self.close_after:
+        if self.conn.close_after:
             headers.append(("connection", "close"))
         return headers
 
@@ -624,112 +516,39 @@ class HttpConnection:
         timings = exc.timings if isinstance(exc, _Failed) else None
         error = exc.error if isinstance(exc, _Failed) else exc
         answer = error_response(error)
-        if answer is None or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            self.close_after = True
+        if answer is None or self.conn.started:
+            self.conn.close_after = True
             return
-        if not self._body_complete():
-            self.close_after = True  # the body was not read: the connection cannot be reused
+        if not self.conn.body_complete():
+            self.conn.close_after = True  # the body was not read: the connection cannot be reused
         extra = answer.headers
         if timings is not None:
             extra = (*extra, ("x-epd-timings", timings.header_value()))
         logger.debug("[%s] answering %d: %s", self.rid, answer.status, error)
         await self._send_json(answer.status, answer.body, extra)
 
-    def _body_complete(self) -> bool:
-        """Consume what is left of the request body if it is already buffered."""
-        while self.h11.their_state is h11.SEND_BODY:
-            try:
-                event = self.h11.next_event()
-            except h11.RemoteProtocolError:
-                return False
-            if not isinstance(event, h11.Data | h11.EndOfMessage):
-                return False
-        return self.h11.their_state is h11.DONE
-
     async def _send(self, *events: h11.Event) -> None:
         data = b"".join(self.h11.send(event) or b"" for event in events)
         await self._write(data)
 
     async def _write(self, data: bytes) -> None:
-        """Write ``data``: at once when the socket has room, else waiting for it.
+        """Write ``data`` through the connection, counting it for the access log.
 
-        The awaited part (what the kernel did not take at once) is bounded by
-        ``write_timeout_s``.  Not a checkpoint when the socket took it all.
+        Not a checkpoint when the socket took it all; the awaited rest is
+        bounded by ``write_timeout_s`` (then :class:`ClientGone`).
         """
         if self.exchange is not None:
             self.exchange.sent += len(data)
-        try:
-            written = self.writer.send_some_nowait(data)
-        except trio.BrokenResourceError:
-            self.close_after = True
-            raise ClientGone("the client stopped reading") from None
-        if written == len(data):
-            return
-        with trio.move_on_after(self.settings.write_timeout_s):
-            try:
-                await self.writer.send_all(data[written:])
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self.close_after = True
-                raise ClientGone("the client stopped reading") from None
-            return
-        self.close_after = True
-        raise ClientGone(f"a write took longer than {self.settings.write_timeout_s:g}s")
+        await self.conn.write(data)
 
-    def upgraded_stream(self) -> trio.abc.Stream:
-        """The connection's stream, from the upgrade request's first byte on.
-
-        Call once :meth:`serve` returned with :attr:`upgrade` set: the reader
-        task is gone, so what it had received is in h11's buffer, replayed
-        after the rebuilt head.
-        """
-        assert self.upgrade is not None
-        return ReplayStream(self.stream, replayed_head(self.upgrade) + self.h11.trailing_data[0])
-
-    async def internal_error(self) -> None:
+    async def failed(self) -> None:
         """Best-effort 500 after an unexpected error, if no response has started.
 
-        Cancellation: bounded by ``write_timeout_s``; skipped when cancelled.
+        Cancellation: bounded by ``write_timeout_s``.
         """
-        self.close_after = True
-        if self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            body = error_body("internal server error", type="internal_error")
-            try:
-                await self._send_json(500, body)
-            except (ClientGone, h11.LocalProtocolError):
-                logger.debug("[%s] could not send the 500", self.rid)
-
-    async def close(self) -> None:
-        """Say EOF, let the client read the last answer, then close the stream.
-
-        Cancellation: the linger is bounded by ``linger_s`` and ends at once
-        when the connection's task is cancelled; the stream is closed either
-        way, forcefully, without waiting.
-        """
-        try:
-            if not self.saw_eof and self.upgrade is None:
-                with trio.move_on_after(self.settings.linger_s):
-                    await self._linger()
-        finally:
-            await trio.aclose_forcefully(self.stream)
-
-    async def _linger(self) -> None:
-        """Send EOF, then discard what the client still sends until it closes.
-
-        Closing a TCP socket with unread input makes the kernel send a reset,
-        which can destroy the answer before the client reads it (a 413 to a
-        client still uploading): reading to EOF first avoids that.
-        """
-        try:
-            if isinstance(self.stream, trio.abc.HalfCloseableStream):
-                await self.stream.send_eof()
-            drained = 0
-            while drained <= self.settings.max_body_bytes:
-                data = await self.stream.receive_some(self.settings.receive_bytes)
-                if not data:
-                    return
-                drained += len(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            logger.debug("[%s] connection reset while closing", self.rid)
+        self.conn.close_after = True
+        if not self.conn.started:
+            await self._send_json(500, error_body("internal server error", type="internal_error"))
 
     def _log_exchange(self, exchange: _Exchange) -> None:
         self.app.observe_http(exchange.route, exchange.status)

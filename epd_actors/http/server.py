@@ -1,41 +1,50 @@
-"""One small HTTP/1.1 server shell over h11 and Trio, for the package's side servers.
+"""The package's one HTTP/1.1 server shell over h11 and Trio.
 
 Theory of operation
 -------------------
 :class:`HttpServer` serves connections (``serve`` on listeners, or
-``handle_connection`` per stream); each connection runs its requests one
-after another:
+``handle_connection`` per stream).  Each connection is a
+:class:`~.server_connection.ServerConnection` (h11, one reader task, bounded
+reads and writes, linger on close) whose requests run one after another in
+the shell's one request loop:
 
 1. the request *head*, read under ``keep_alive_timeout_s`` (the idle time
-   between requests; an idle connection closes silently), bounded by
-   ``max_header_bytes`` (h11's ``max_incomplete_event_size``: 431).  A head
-   h11 cannot parse is answered with h11's status hint (400) and closes;
-2. the *body*, read in full under ``body_timeout_s`` (408) and bounded by
+   between requests; an idle connection closes silently, one that sent part
+   of a head gets 408), bounded by ``max_header_bytes`` (h11's
+   ``max_incomplete_event_size``: 431).  A head h11 cannot parse is answered
+   400 and closes;
+2. the *exchange*: the connection's :class:`Exchanges` answers the head.
+   Servers given a :data:`Handler` get the shell's own exchanges: the *body*
+   read in full under ``body_timeout_s`` (408) and bounded by
    ``max_body_bytes`` (413 for a larger declared ``Content-Length`` before any
    of it is read, or as soon as the bytes pass it, so a large body is never
-   buffered); a client that sent ``Expect: 100-continue`` is told to go on
-   first.  A client that leaves mid-body ends the connection;
-3. the *handler* (:data:`Handler`), called with the :class:`HttpRequest` and
-   the request's :class:`Responder`: it returns an :class:`HttpResponse`
-   (the shell writes it in one ``send_all``) or streams one itself
-   (:meth:`Responder.start`, :meth:`~Responder.send`, :meth:`~Responder.end`)
-   and returns None;
-4. *keep-alive*: when both sides finished the exchange (and neither asked for
+   buffered; ``100 Continue`` first when the client waits for it), then the
+   handler, called with the :class:`HttpRequest` and the request's
+   :class:`Responder`: it returns an :class:`HttpResponse` (the shell writes
+   it in one write) or streams one itself (:meth:`Responder.start`,
+   :meth:`~Responder.send`, :meth:`~Responder.end`) and returns None.  A
+   server given ``exchanges`` (the router's OpenAI front end) reads the body
+   itself, after its own checks of the head, through the connection;
+3. *keep-alive*: when both sides finished the exchange (and neither asked for
    ``connection: close``) the connection waits for the next request; bytes of
-   a pipelined request wait inside h11.
+   a pipelined request wait inside h11.  An exchange may instead end HTTP by
+   an *upgrade* (``ServerConnection.upgrade``): the stream, head replayed, goes
+   to ``on_upgrade``.
 
-Every connection is its own error boundary: an exception a handler raises is
-logged and answered with 500 when nothing was sent yet, and closes that
-connection, never the server or another connection.  The shell's own error
-answers (400, 408, 413, 431, 500) are built by ``error_response`` (plain
-text unless the server is given another shape, e.g. OpenAI's error body).
+Every connection is its own error boundary: an exception that escapes an
+exchange is logged ("unexpected error") and answered with 500 when nothing
+was sent yet (``Exchanges.failed``), and closes that connection, never the
+server or another connection.  The shell's own error answers (400, 408,
+413, 431, 500, and ``busy_response`` past ``max_connections``) are built by
+``error_response`` (plain text unless the server is given another shape, e.g.
+OpenAI's error body).
 
 Cancellation: cancelling ``serve`` stops accepting and cancels every
-connection; a connection's stream is always closed (forcefully) on the way
-out.  Backpressure: one request at a time per connection; every write waits
-for the socket, at most ``write_timeout_s`` (then the client counts as
-gone: :class:`ClientGone`); at most ``max_connections`` connections are
-served, more are closed at once.
+connection; a connection's stream is always closed (forcefully, after the
+linger) on the way out.  Backpressure: one request at a time per connection;
+every write waits for the socket, at most ``write_timeout_s`` (then the
+client counts as gone: :class:`ClientGone`); at most ``max_connections``
+connections are served, more are refused at once.
 """
 
 from __future__ import annotations
@@ -44,24 +53,28 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, NoReturn, TypeAlias
+from functools import partial
+from typing import TYPE_CHECKING, Final, NoReturn, Protocol, TypeAlias
 
 import h11
 import trio
 
-from ..limits import RECEIVE_CHUNK_BYTES
 from .body import body_framer
+from .server_connection import ClientGone, Refusal, ServerConnection, ServerLimits
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = [
     "ClientGone",
+    "Exchanges",
     "Handler",
     "HttpRequest",
     "HttpResponse",
     "HttpServer",
+    "Refusal",
     "Responder",
+    "ServerConnection",
     "ServerLimits",
     "plain_error",
 ]
@@ -70,27 +83,6 @@ logger = logging.getLogger(__name__)
 
 TEXT: Final = "text/plain; charset=utf-8"
 JSON: Final = "application/json"
-
-
-@dataclass(frozen=True, slots=True)
-class ServerLimits:
-    """Sizes (bytes) and timeouts (seconds) of one :class:`HttpServer`.
-
-    Attributes:
-        max_header_bytes: largest request head (431 above).
-        max_body_bytes: largest request body (413 above).
-        keep_alive_timeout_s: idle time allowed before (and while sending) a head.
-        body_timeout_s: time to receive one body (408 after).
-        write_timeout_s: time one write may take before the client counts as gone.
-        max_connections: connections served at once; more are closed at once.
-    """
-
-    max_header_bytes: int = 64 * 1024
-    max_body_bytes: int = 1 << 20
-    keep_alive_timeout_s: float = 75.0
-    body_timeout_s: float = 30.0
-    write_timeout_s: float = 30.0
-    max_connections: int = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,48 +151,49 @@ class HttpResponse:
         return cls(status, text.encode(), content_type, tuple(headers))
 
 
-class ClientGone(Exception):
-    """The client closed, reset, or stopped reading (a write failed or timed out)."""
-
-
 def plain_error(status: int, message: str) -> HttpResponse:
     """The shell's default error answer: ``message`` as plain text."""
     return HttpResponse.text(status, message + "\n")
 
 
+def _closing(response: HttpResponse) -> HttpResponse:
+    """``response`` with ``connection: close`` added."""
+    return HttpResponse(
+        response.status,
+        response.body,
+        response.content_type,
+        (*response.headers, ("connection", "close")),
+    )
+
+
 class Responder:
     """The answering side of one request: one whole response, or a streamed one.
 
-    Attributes:
-        gone: the client was seen leaving (:meth:`wait_disconnected` returned).
+    Writes go through the connection (:meth:`ServerConnection.write`): each
+    waits for the socket, at most ``write_timeout_s``.
     """
 
-    __slots__ = ("_frame", "_h11", "_head_only", "_limits", "_stream", "gone")
+    __slots__ = ("_conn", "_frame", "_head_only")
 
-    def __init__(
-        self,
-        stream: trio.abc.Stream,
-        connection: h11.Connection,
-        limits: ServerLimits,
-        *,
-        head_only: bool,
-    ) -> None:
-        self._stream = stream
-        self._h11 = connection
-        self._limits = limits
+    def __init__(self, connection: ServerConnection, *, head_only: bool) -> None:
+        self._conn = connection
         self._head_only = head_only
-        self._frame = body_framer(connection)
-        self.gone = False
+        self._frame = body_framer(connection.h11)
+
+    @property
+    def gone(self) -> bool:
+        """The client was seen leaving (its EOF arrived)."""
+        return self._conn.saw_eof
 
     @property
     def started(self) -> bool:
         """Whether the response head is out (an error can no longer be a status)."""
-        return self._h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE)
+        return self._conn.started
 
     @property
     def finished(self) -> bool:
         """Whether the whole response has been written."""
-        return self._h11.our_state in (h11.DONE, h11.MUST_CLOSE)
+        return self._conn.h11.our_state in (h11.DONE, h11.MUST_CLOSE)
 
     async def respond(self, response: HttpResponse) -> None:
         """Write ``response`` whole, in one write.
@@ -211,16 +204,17 @@ class Responder:
         """
         if self.started:
             raise RuntimeError("a response was already started")
+        connection = self._conn.h11
         headers = [
             ("content-type", response.content_type),
             ("content-length", str(len(response.body))),
             *response.headers,
         ]
-        data = self._h11.send(h11.Response(status_code=response.status, headers=headers)) or b""
+        data = connection.send(h11.Response(status_code=response.status, headers=headers)) or b""
         if response.body and not self._head_only:
-            data += self._h11.send(h11.Data(data=response.body)) or b""
-        data += self._h11.send(h11.EndOfMessage()) or b""
-        await self._write(data)
+            data += connection.send(h11.Data(data=response.body)) or b""
+        data += connection.send(h11.EndOfMessage()) or b""
+        await self._conn.write(data)
 
     async def start(self, status: int, headers: Sequence[tuple[str, str]]) -> None:
         """Write the head of a streamed response (chunked for HTTP/1.1 clients).
@@ -232,7 +226,7 @@ class Responder:
         if self.started:
             raise RuntimeError("a response was already started")
         head = h11.Response(status_code=status, headers=list(headers))
-        await self._write(self._h11.send(head) or b"")
+        await self._conn.write(self._conn.h11.send(head) or b"")
 
     async def send(self, data: bytes) -> None:
         """Write one piece of a started response's body (nothing for ``HEAD``).
@@ -241,7 +235,7 @@ class Responder:
             ClientGone: as for :meth:`respond`.
         """
         if not self._head_only and data:
-            await self._write(self._frame(data))
+            await self._conn.write(self._frame(data))
 
     async def end(self) -> None:
         """End a started response's body.
@@ -249,37 +243,20 @@ class Responder:
         Raises:
             ClientGone: as for :meth:`respond`.
         """
-        await self._write(self._h11.send(h11.EndOfMessage()) or b"")
+        await self._conn.write(self._conn.h11.send(h11.EndOfMessage()) or b"")
 
     async def wait_disconnected(self) -> None:
-        """Return once the client closed its side (setting :attr:`gone`).
+        """Return once the client closed its side (then :attr:`gone` is true).
 
         Meant for a sibling task while the handler works, so that a client
-        that leaves cancels the work.  Bytes that arrive meanwhile (a
-        pipelined request) stay in h11 for the next exchange; past
-        ``max_header_bytes`` of them, reading stops (the client waits) and
-        this waits until cancelled.
+        that leaves cancels the work.  The connection's reader sees the EOF;
+        bytes that arrive meanwhile (a pipelined request) stay in h11 for the
+        next exchange, at most ``max_pipelined_bytes`` of them (beyond, the
+        client waits).
 
         Cancellation: safe; nothing received is lost.
         """
-        while len(self._h11.trailing_data[0]) <= self._limits.max_header_bytes:
-            data = await _receive(self._stream)
-            self._h11.receive_data(data)
-            if not data:
-                self.gone = True
-                return
-        await trio.sleep_forever()
-
-    async def _write(self, data: bytes) -> None:
-        if not data:
-            return
-        with trio.move_on_after(self._limits.write_timeout_s):
-            try:
-                await self._stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                raise ClientGone("the client went away") from None
-            return
-        raise ClientGone(f"a write took longer than {self._limits.write_timeout_s:g} s")
+        await self._conn.wait_disconnected()
 
 
 Handler: TypeAlias = Callable[[HttpRequest, "Responder"], Awaitable[HttpResponse | None]]
@@ -288,37 +265,136 @@ returns None.  It may raise :class:`ClientGone` (from the responder) or anything
 (a bug: logged, 500 when nothing was sent, the connection closed)."""
 
 
-class _Refusal(Exception):
-    """A request the shell answers itself (status and message), then closes."""
+class Exchanges(Protocol):
+    """What answers the requests of one connection (made per connection, see ``HttpServer``).
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+    Each method is called in the connection's task; it may raise
+    :class:`ClientGone` (the connection ends quietly) or anything else (the
+    shell's error boundary: logged, then :meth:`failed`).  Cancellation:
+    cancelling the connection cancels the call.  Backpressure: one call at a
+    time per connection; the next head is read only once :meth:`answer` returned.
+    """
+
+    async def answer(self, head: h11.Request) -> None:
+        """Answer the request ``head`` (reading its body through the connection)."""
+
+    async def refuse(self, refusal: Refusal) -> None:
+        """Answer a head the shell refused (400, 408, 431); the connection then closes."""
+
+    async def failed(self) -> None:
+        """Answer 500 after an unexpected error, nothing having been sent."""
+
+
+class _WholeRequests:
+    """The exchanges of a :data:`Handler`: each body read in full, then the handler."""
+
+    __slots__ = ("_conn", "_handler", "_server")
+
+    def __init__(self, server: HttpServer, handler: Handler, connection: ServerConnection) -> None:
+        self._server = server
+        self._handler = handler
+        self._conn = connection
+
+    async def answer(self, head: h11.Request) -> None:
+        conn = self._conn
+        headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in head.headers)
+        declared = next((int(v) for k, v in headers if k == "content-length"), None)
+        try:  # h11 checked the digits of a Content-Length
+            body = await conn.read_body(conn.limits.max_body_bytes, declared=declared)
+        except Refusal as exc:
+            await self.refuse(exc)
+            return
+        request = HttpRequest(
+            method=head.method.decode("latin-1"),
+            target=head.target.decode("latin-1"),
+            headers=headers,
+            body=body,
+        )
+        responder = Responder(conn, head_only=head.method == b"HEAD")
+        if not await self._answer(request, responder):
+            conn.close_after = True
+
+    async def _answer(self, request: HttpRequest, responder: Responder) -> bool:
+        """Run the handler; whether the connection may serve another request."""
+        server = self._server
+        try:
+            response = await self._handler(request, responder)
+            if response is not None:
+                await responder.respond(response)
+        except ClientGone:
+            raise
+        except Exception:
+            server.log.exception(
+                "%s: the handler of %s %s failed", server.name, request.method, request.path
+            )
+            if not responder.started:
+                await responder.respond(
+                    _closing(server.error_response(500, "internal server error"))
+                )
+            return False
+        if not responder.finished:
+            server.log.error(
+                "%s: %s %s was not answered in full", server.name, request.method, request.path
+            )
+            if not responder.started:
+                answer = server.error_response(500, "the request was not answered")
+                await responder.respond(_closing(answer))
+            return False
+        return True
+
+    async def refuse(self, refusal: Refusal) -> None:
+        self._conn.close_after = True
+        if not self._conn.started:
+            answer = self._server.error_response(refusal.status, refusal.message)
+            await Responder(self._conn, head_only=False).respond(_closing(answer))
+
+    async def failed(self) -> None:
+        await self.refuse(Refusal(500, "internal server error"))
 
 
 class HttpServer:
-    """Serves connections with one handler (see the module docstring).
+    """Serves connections (see the module docstring).
 
     Args:
-        handler: answers each request (:data:`Handler`).
+        handler: answers each request, its body read in full (:data:`Handler`).
         limits: sizes and timeouts.
+        exchanges: instead of ``handler``, makes each connection's
+            :class:`Exchanges` (called with the connection, once per connection).
         error_response: builds the shell's own error answers from a status and a message.
+        busy_response: the answer to a connection past ``max_connections``
+            (None: it is closed without one).
+        on_upgrade: takes the stream of a connection an exchange upgraded
+            (``ServerConnection.upgrade``), head replayed; it owns the stream.
         name: names the server in logs.
+        log: the logger of the connections' errors.
     """
 
     def __init__(
         self,
-        handler: Handler,
+        handler: Handler | None = None,
         limits: ServerLimits | None = None,
         *,
+        exchanges: Callable[[ServerConnection], Exchanges] | None = None,
         error_response: Callable[[int, str], HttpResponse] = plain_error,
+        busy_response: HttpResponse | None = None,
+        on_upgrade: Callable[[trio.abc.Stream], Awaitable[None]] | None = None,
         name: str = "http",
+        log: logging.Logger = logger,
     ) -> None:
+        if (handler is None) == (exchanges is None):
+            raise ValueError("give a handler or exchanges, not both")
         self.handler = handler
         self.limits = limits or ServerLimits()
         self.error_response = error_response
+        self.busy_response = busy_response
+        self.on_upgrade = on_upgrade
         self.name = name
+        self.log = log
         self.connections = 0
+        if exchanges is None:
+            assert handler is not None
+            exchanges = partial(_WholeRequests, self, handler)
+        self._exchanges = exchanges
 
     def __repr__(self) -> str:
         return f"<HttpServer {self.name} connections={self.connections}>"
@@ -333,7 +409,7 @@ class HttpServer:
         """Serve ``listeners`` until cancelled; reports the listeners once accepting.
 
         Cancellation: stops accepting and cancels every connection.
-        Backpressure: at most ``max_connections`` connections; more are closed.
+        Backpressure: at most ``max_connections`` connections; more are refused.
         """
         await trio.serve_listeners(
             self.handle_connection,
@@ -343,141 +419,61 @@ class HttpServer:
         )
 
     async def handle_connection(self, stream: trio.abc.Stream) -> None:
-        """Serve one connection until it closes, idles out or breaks; never raises but
-        cancellation.
+        """Serve one connection until it closes, idles out, upgrades or breaks; never
+        raises but cancellation.
 
-        Resource handling: the stream is closed on return.
+        Cancellation: cancels the exchange under way; the stream is closed.
+        Resource handling: the stream is closed on return (or given to ``on_upgrade``).
         """
         if self.connections >= self.limits.max_connections:
-            logger.warning(
+            self.log.warning(
                 "%s: refusing a connection: %d already open", self.name, self.connections
             )
-            await trio.aclose_forcefully(stream)
+            await self._turn_away(stream)
             return
         self.connections += 1
+        conn = ServerConnection(stream, self.limits)
+        exchanges = self._exchanges(conn)
         try:
-            await self._serve(stream)
+            await conn.run(partial(self._serve, conn, exchanges))
+            if conn.upgrade is not None and self.on_upgrade is not None:
+                await self.on_upgrade(conn.upgraded_stream())
         except ClientGone as exc:
-            logger.debug("%s: a client left: %s", self.name, exc)
+            self.log.debug("%s: a client left: %s", self.name, exc)
         except Exception:
-            logger.exception("%s: a connection failed", self.name)
+            self.log.exception("%s: unexpected error; closing the connection", self.name)
+            conn.close_after = True
+            if not conn.started:
+                try:
+                    await exchanges.failed()
+                except (ClientGone, h11.LocalProtocolError):
+                    self.log.debug("%s: could not send the 500", self.name)
         finally:
             self.connections -= 1
-            await trio.aclose_forcefully(stream)
+            await conn.close()
 
-    async def _serve(self, stream: trio.abc.Stream) -> None:
-        limits = self.limits
-        connection = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+    async def _serve(self, conn: ServerConnection, exchanges: Exchanges) -> None:
+        """The request loop: head, exchange, keep-alive."""
         while True:
-            event: object = None  # stays None when the connection idles out
             try:
-                with trio.move_on_after(limits.keep_alive_timeout_s):
-                    event = await _next_event(stream, connection)
-                if not isinstance(event, h11.Request):
-                    return
-                body = await self._read_body(stream, connection, event)
-            except h11.RemoteProtocolError as exc:
-                await self._refuse(stream, connection, exc.error_status_hint, f"bad request: {exc}")
+                head = await conn.next_head()
+            except Refusal as exc:
+                conn.close_after = True
+                await exchanges.refuse(exc)
                 return
-            except _Refusal as exc:
-                await self._refuse(stream, connection, exc.status, str(exc))
+            if head is None:
                 return
-            if body is None:
-                return  # the client left mid-body
-            request = HttpRequest(
-                method=event.method.decode("latin-1"),
-                target=event.target.decode("latin-1"),
-                headers=tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers),
-                body=body,
-            )
-            responder = Responder(stream, connection, limits, head_only=event.method == b"HEAD")
-            if not await self._answer(request, responder):
+            await exchanges.answer(head)
+            if not conn.reusable:
                 return
-            if connection.our_state is not h11.DONE or connection.their_state is not h11.DONE:
-                return
-            connection.start_next_cycle()
+            conn.h11.start_next_cycle()
 
-    async def _answer(self, request: HttpRequest, responder: Responder) -> bool:
-        """Run the handler; whether the connection may serve another request."""
+    async def _turn_away(self, stream: trio.abc.Stream) -> None:
         try:
-            response = await self.handler(request, responder)
-            if response is not None:
-                await responder.respond(response)
+            if self.busy_response is not None:
+                conn = ServerConnection(stream, self.limits)
+                await Responder(conn, head_only=False).respond(_closing(self.busy_response))
         except ClientGone:
-            raise
-        except Exception:
-            logger.exception(
-                "%s: the handler of %s %s failed", self.name, request.method, request.path
-            )
-            if not responder.started:
-                await responder.respond(self._closing(500, "internal server error"))
-            return False
-        if not responder.finished:
-            logger.error(
-                "%s: %s %s was not answered in full", self.name, request.method, request.path
-            )
-            if not responder.started:
-                await responder.respond(self._closing(500, "the request was not answered"))
-            return False
-        return True
-
-    async def _read_body(
-        self, stream: trio.abc.Stream, connection: h11.Connection, request: h11.Request
-    ) -> bytes | None:
-        limit = self.limits.max_body_bytes
-        for name, value in request.headers:
-            if name == b"content-length" and int(value) > limit:  # h11 checked the digits
-                raise _Refusal(413, f"the request body exceeds {limit} bytes")
-        if connection.they_are_waiting_for_100_continue:
-            go_on = h11.InformationalResponse(status_code=100, headers=[])
-            await Responder(stream, connection, self.limits, head_only=False)._write(
-                connection.send(go_on) or b""
-            )
-        chunks: list[bytes] = []
-        size = 0
-        with trio.move_on_after(self.limits.body_timeout_s):
-            while True:
-                event = await _next_event(stream, connection)
-                if isinstance(event, h11.Data):
-                    size += len(event.data)
-                    if size > limit:
-                        raise _Refusal(413, f"the request body exceeds {limit} bytes")
-                    chunks.append(bytes(event.data))
-                elif isinstance(event, h11.EndOfMessage):
-                    return b"".join(chunks)
-                else:
-                    return None
-        raise _Refusal(408, "the request body timed out")
-
-    async def _refuse(
-        self, stream: trio.abc.Stream, connection: h11.Connection, status: int, message: str
-    ) -> None:
-        responder = Responder(stream, connection, self.limits, head_only=False)
-        if responder.started:
-            return
-        await responder.respond(self._closing(status, message))
-
-    def _closing(self, status: int, message: str) -> HttpResponse:
-        response = self.error_response(status, message)
-        return HttpResponse(
-            response.status,
-            response.body,
-            response.content_type,
-            (*response.headers, ("connection", "close")),
-        )
-
-
-async def _next_event(stream: trio.abc.Stream, connection: h11.Connection) -> object:
-    while True:
-        event = connection.next_event()
-        if event is not h11.NEED_DATA:
-            return event
-        connection.receive_data(await _receive(stream))
-
-
-async def _receive(stream: trio.abc.Stream) -> bytes:
-    """More bytes from the client; ``b""`` at EOF or when the stream broke."""
-    try:
-        return bytes(await stream.receive_some(RECEIVE_CHUNK_BYTES))
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        return b""
+            self.log.debug("%s: a refused connection closed before its answer", self.name)
+        finally:
+            await trio.aclose_forcefully(stream)
