@@ -141,7 +141,7 @@ class HttpServer(ServerShell):
         self._admin_keys = tuple(key.encode() for key in settings.admin_keys)
         self._upgrade_path = None if websocket is None else websocket.settings.path
         super().__init__(
-            limits=shell_limits(settings),
+            limits=ServerLimits.of(settings),
             exchanges=self._connection_exchanges,
             busy_response=_BUSY,
             on_upgrade=None if websocket is None else websocket.handle_stream,
@@ -178,18 +178,3 @@ class HttpServer(ServerShell):
         for key in keys:
             matched |= hmac.compare_digest(presented, key)
         return matched and scheme.lower() == "bearer"
-
-
-def shell_limits(settings: HttpSettings) -> ServerLimits:
-    """The server shell's limits for the front end's ``settings``."""
-    return ServerLimits(
-        max_header_bytes=settings.max_header_bytes,
-        max_body_bytes=settings.max_body_bytes,
-        keep_alive_timeout_s=settings.keep_alive_timeout_s,
-        body_timeout_s=settings.body_timeout_s,
-        write_timeout_s=settings.write_timeout_s,
-        max_connections=settings.max_connections,
-        linger_s=settings.linger_s,
-        receive_bytes=settings.receive_bytes,
-        max_pipelined_bytes=settings.max_pipelined_bytes,
-    )

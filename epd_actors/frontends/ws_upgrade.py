@@ -7,9 +7,10 @@ The HTTP front end reads every request head with h11.  When a head asks for
 HTTP (its reader task is cancelled, which in Trio loses no byte already
 received) and gives the socket to the WebSocket server.  trio-websocket's
 ``wrap_server_stream`` reads the opening handshake from the stream itself, so
-the head h11 already consumed is rebuilt (:func:`replayed_head`) and put in
-front of whatever h11 had buffered after it; :class:`ReplayStream` returns
-those bytes first, then reads the socket.  wsproto then validates the
+the head h11 already consumed is rebuilt
+(:func:`epd_actors.http.upgrade.replayed_head`) and put in front of whatever
+h11 had buffered after it; :class:`~epd_actors.http.upgrade.ReplayStream`
+returns those bytes first, then reads the socket.  wsproto then validates the
 handshake exactly as on the separate WebSocket listener (a bad key, version
 or missing ``Connection: Upgrade`` is refused there).  The replay itself is the
 HTTP server shell's (:mod:`epd_actors.http.upgrade`).
@@ -19,9 +20,7 @@ from __future__ import annotations
 
 import trio
 
-from ..http.upgrade import ReplayStream, replayed_head
-
-__all__ = ["ReplayStream", "replayed_head", "stream_peer", "wants_websocket"]
+__all__ = ["stream_peer", "wants_websocket"]
 
 
 def wants_websocket(method: str, headers: dict[str, str]) -> bool:

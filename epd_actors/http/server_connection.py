@@ -47,7 +47,7 @@ socket, bounded in time.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Final
 
 import h11
@@ -95,6 +95,13 @@ class ServerLimits:
     linger_s: float = 0.0
     receive_bytes: int = RECEIVE_CHUNK_BYTES
     max_pipelined_bytes: int = 64 * 1024
+
+    @classmethod
+    def of(cls, settings: object) -> ServerLimits:
+        """The limits a server's settings name: each field of this class that
+        ``settings`` has an attribute of the same name for, the defaults for the rest."""
+        named = (field.name for field in fields(cls))
+        return cls(**{name: getattr(settings, name) for name in named if hasattr(settings, name)})
 
 
 class ClientGone(Exception):

@@ -326,15 +326,7 @@ class SimOpenAIServer:
         self.log = RequestLog(self.settings.request_log_entries)
         self.host = "127.0.0.1"
         self.port = 0
-        settings = self.settings
-        limits = ServerLimits(
-            max_header_bytes=settings.max_header_bytes,
-            max_body_bytes=settings.max_body_bytes,
-            keep_alive_timeout_s=settings.keep_alive_timeout_s,
-            body_timeout_s=settings.body_timeout_s,
-            write_timeout_s=settings.write_timeout_s,
-            max_connections=settings.max_connections,
-        )
+        limits = ServerLimits.of(self.settings)
         self.http = HttpServer(self._route, limits, error_response=_error_answer, name=worker_id)
         self.running = 0  # completion requests being served now
         self.lora = SimLoraAdapters(engine.capabilities)

@@ -17,7 +17,8 @@ from trio_websocket import ConnectionRejected, open_websocket_url, wrap_client_s
 
 from epd_actors.frontends.http_app import HttpSettings
 from epd_actors.frontends.ws import WsSettings
-from epd_actors.frontends.ws_upgrade import ReplayStream, replayed_head, wants_websocket
+from epd_actors.frontends.ws_upgrade import wants_websocket
+from epd_actors.http.upgrade import ReplayStream, replayed_head
 from epd_actors.program.config_file import FileConfig, ServerConfig
 from epd_actors.program.serve import serve_router
 from epd_actors.testing import build_sim_fleet

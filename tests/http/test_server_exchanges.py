@@ -230,3 +230,19 @@ def test_a_handler_and_exchanges_are_exclusive() -> None:
         HttpServer()
     with pytest.raises(ValueError, match="not both"):
         HttpServer(handler, exchanges=lambda conn: Checked(conn, []))
+
+
+def test_limits_of_a_settings_object_take_the_fields_it_names() -> None:
+    from dataclasses import dataclass
+
+    from epd_actors.http.server import ServerLimits
+
+    @dataclass
+    class Settings:
+        max_body_bytes: int = 123
+        write_timeout_s: float = 4.5
+        api_keys: tuple[str, ...] = ()  # not a limit: ignored
+
+    limits = ServerLimits.of(Settings())
+    assert (limits.max_body_bytes, limits.write_timeout_s) == (123, 4.5)
+    assert limits.max_header_bytes == ServerLimits().max_header_bytes
