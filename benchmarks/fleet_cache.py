@@ -53,6 +53,8 @@ from epd_actors.simulator.kv_memory import MemoryKVEventPublisher
 from epd_actors.testing import build_sim_fleet, sim_config
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from epd_actors.core.kv_feeds import KVSourceSpec
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware", "kv_aware+local")
@@ -89,6 +91,40 @@ class Trace:
                 history[u] = f"{history[u]} {answer}"
             out.append(batch)
         return out
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace's options (:class:`Trace`), shared with ``fleet_cache_live.py``."""
+    parser.add_argument("--systems", type=int, default=4, help="system prompts")
+    parser.add_argument("--system-words", type=int, default=1024)
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--user-words", type=int, default=48)
+    parser.add_argument("--answer-words", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", default=None, help="write the arguments and results here")
+
+
+def trace_of(args: argparse.Namespace) -> Trace:
+    """The :class:`Trace` that :func:`add_trace_arguments`' options describe."""
+    return Trace(
+        args.systems,
+        args.system_words,
+        args.users,
+        args.turns,
+        args.user_words,
+        args.answer_words,
+        args.seed,
+    )
+
+
+def write_results(args: argparse.Namespace, results: Sequence[object]) -> None:
+    """``--json``: the arguments and the results (dataclasses), when the option is given."""
+    if args.json:
+        rows = [asdict(r) for r in results]  # type: ignore[call-overload]
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump({"args": vars(args), "results": rows}, out, indent=2)
 
 
 @dataclass(frozen=True)
@@ -219,13 +255,7 @@ def _seed_trio_scheduler(seed: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--systems", type=int, default=4)
-    parser.add_argument("--system-words", type=int, default=1024)
-    parser.add_argument("--users", type=int, default=64)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--user-words", type=int, default=48)
-    parser.add_argument("--answer-words", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=16)
+    add_trace_arguments(parser)
     parser.add_argument("--slots", type=int, default=4, help="P calls per worker at once")
     parser.add_argument("--cache-blocks", type=int, default=512, help="blocks per P cache")
     parser.add_argument(
@@ -234,19 +264,9 @@ def main() -> None:
         default=256,
         help="+local: skip P below this many tokens the best decoder lacks",
     )
-    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    trace = Trace(
-        args.systems,
-        args.system_words,
-        args.users,
-        args.turns,
-        args.user_words,
-        args.answer_words,
-        args.seed,
-    )
+    trace = trace_of(args)
     results = []
     for policy in args.policies.split(","):
         _seed_trio_scheduler(args.seed)
@@ -262,9 +282,7 @@ def main() -> None:
             f"{r.ttft_p99_ms:>6.1f}ms {r.imbalance:>9.2f} {sum(r.prefill_calls.values()):>8} "
             f"{r.local_prefills:>6}  {r.decisions or ''}"
         )
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump({"args": vars(args), "results": [asdict(r) for r in results]}, out, indent=2)
+    write_results(args, results)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Prefix-cache hits on a fleet of processes: this router's policies and vllm-router's, one trace.
 
     python benchmarks/fleet_cache_live.py --vllm-router "$(command -v vllm-router)" \\
-        [--systems round_robin,cache_aware,kv_aware,vllm-router:cache_aware] [--json out.json]
+        [--policies round_robin,cache_aware,kv_aware,vllm-router:cache_aware] [--json out.json]
 
 The in-process :mod:`fleet_cache` compares this router's policies in virtual
 time; this one runs the same trace (its :class:`~fleet_cache.Trace`: a few
@@ -46,13 +46,13 @@ import tempfile
 import time
 import urllib.request
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 import trio
-from fleet_cache import Trace, percentile
+from fleet_cache import Trace, add_trace_arguments, percentile, trace_of, write_results
 from harness import (
     ANNOUNCE,
     ROUTER_ANNOUNCE,
@@ -67,7 +67,7 @@ from harness import (
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-SYSTEMS = ("round_robin", "cache_aware", "kv_aware", "vllm-router:cache_aware")
+POLICIES = ("round_robin", "cache_aware", "kv_aware", "vllm-router:cache_aware")
 """This router's P-pool policies, and ``vllm-router:POLICY`` for the peer."""
 
 MODEL = "sim-model"
@@ -294,40 +294,24 @@ def run_system(system: str, trace: Trace, args: argparse.Namespace, workdir: Pat
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    add_trace_arguments(parser)
+    parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--vllm-router", default=None, help="path of the vllm-router program")
     parser.add_argument("--workers", type=int, default=4, help="P workers, and as many D")
-    parser.add_argument("--systems-prompts", dest="prompts", type=int, default=4)
-    parser.add_argument("--system-words", type=int, default=1024)
-    parser.add_argument("--users", type=int, default=64)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--user-words", type=int, default=48)
-    parser.add_argument("--answer-words", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--cache-blocks", type=int, default=256, help="blocks per P cache")
     parser.add_argument("--prefill-token-s", type=float, default=50e-6)
     parser.add_argument("--first-token-s", type=float, default=0.002)
     parser.add_argument("--settle-s", type=float, default=2.0)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
-    trace = Trace(
-        args.prompts,
-        args.system_words,
-        args.users,
-        args.turns,
-        args.user_words,
-        args.answer_words,
-        args.seed,
-    )
+    trace = trace_of(args)
     results = []
     with tempfile.TemporaryDirectory(prefix="fleet-cache-live-") as tmp:
-        for system in args.systems.split(","):
+        for system in args.policies.split(","):
             result = run_system(system, trace, args, Path(tmp))
             results.append(result)
             print(f"{system}: done in {result.seconds:.1f} s", file=sys.stderr, flush=True)
@@ -341,9 +325,7 @@ def main() -> None:
             f"{r.ttft_p50_ms:>7.1f}ms {r.ttft_p99_ms:>6.1f}ms {r.imbalance:>9.2f}  "
             f"{sorted(r.prefill_calls.values())}"
         )
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump({"args": vars(args), "results": [asdict(r) for r in results]}, out, indent=2)
+    write_results(args, results)
 
 
 if __name__ == "__main__":

@@ -108,19 +108,13 @@ def relay_calls(deltas: int = 1000) -> tuple[float, float]:
         relay = OutputRelay(send, _Progress(), 10.0, **gap_record())  # type: ignore[arg-type]
         delta = Delta("r", token_ids=(1234,), text=" token")
         relay.offer(delta)  # the first delta: no gap yet
-        calls = {"call": 0, "c_call": 0}
 
-        def profile(frame: object, event: str, arg: object) -> None:
-            if event in calls:
-                calls[event] += 1
-
-        sys.setprofile(profile)
-        try:
+        def offer_all() -> None:
             for _ in range(deltas):
                 relay.offer(delta)
-        finally:
-            sys.setprofile(None)
-        return calls["call"] / deltas, calls["c_call"] / deltas
+
+        python_calls, c_calls = profiled_calls(offer_all)
+        return python_calls / deltas, c_calls / deltas
 
     return trio.run(count)
 
@@ -175,6 +169,12 @@ def relay_lines(events: list[bytes], number: int, repeat: int) -> None:
 def calls_per_token(work: Callable[[], None]) -> tuple[float, float]:
     """Python and C function calls per token of one run of ``work`` (a 64-token stream)."""
     work()  # warm up (regular expressions compiled, caches filled)
+    python_calls, c_calls = profiled_calls(work)
+    return python_calls / TOKENS, c_calls / TOKENS
+
+
+def profiled_calls(work: Callable[[], None]) -> tuple[int, int]:
+    """The Python and C function calls of one run of ``work`` (``sys.setprofile``)."""
     calls = {"call": 0, "c_call": 0}
 
     def profile(frame: object, event: str, arg: object) -> None:
@@ -186,7 +186,7 @@ def calls_per_token(work: Callable[[], None]) -> tuple[float, float]:
         work()
     finally:
         sys.setprofile(None)
-    return calls["call"] / TOKENS, calls["c_call"] / TOKENS
+    return calls["call"], calls["c_call"]
 
 
 def gap_record() -> dict[str, object]:
