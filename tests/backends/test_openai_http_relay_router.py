@@ -43,6 +43,11 @@ def chat_request(n: int) -> GenerationRequest:
     )
 
 
+def joined(deltas: list[DeltaEvent]) -> tuple[str, tuple[int, ...]]:
+    """The text and the token ids of ``deltas``, however they were split."""
+    return "".join(d.text for d in deltas), tuple(t for d in deltas for t in d.token_ids)
+
+
 def chunks(events: list[GenerationEvent]) -> list[str]:
     formatter = SseFormatter("chat", request_id="req", model="alias", created=1)
     return [formatter.event(e) for e in events if isinstance(e, DeltaEvent) and e.text]
@@ -58,10 +63,16 @@ async def test_relay_on_and_off_give_the_same_events_and_chunks(workers: dict[st
                 seen[relay] = await collect(router, chat_request(1))
     on, off = seen[True], seen[False]
     deltas_on = [e for e in on if isinstance(e, DeltaEvent)]
-    assert deltas_on == [e for e in off if isinstance(e, DeltaEvent)]
+    deltas_off = [e for e in off if isinstance(e, DeltaEvent)]
+    # How the tokens split into deltas depends on what one read of the socket
+    # found (a real clock); what they carry does not.
+    assert joined(deltas_on) == joined(deltas_off)
     assert any(type(e.text) is EngineText for e in deltas_on)  # the relay reached the caller
-    assert not any(type(e.text) is EngineText for e in off if isinstance(e, DeltaEvent))
-    assert chunks(on) == chunks(off)
+    assert not any(type(e.text) is EngineText for e in deltas_off)
+    # A relayed delta's chunk is the chunk of the same delta parsed.
+    parsed = [replace(e, text=str(e.text)) for e in deltas_on]
+    assert all(type(e.text) is str for e in parsed)
+    assert chunks(list(deltas_on)) == chunks(list(parsed))
     done_on, done_off = final(on), final(off)
     assert isinstance(done_on, DoneEvent)
     assert isinstance(done_off, DoneEvent)

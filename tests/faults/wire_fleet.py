@@ -101,8 +101,15 @@ class WireFleet:
     def config(
         self, *, deadlines: Deadlines, retries: RetryPolicy, health: HealthPolicy
     ) -> RouterConfig:
+        # The tests name which worker a call tries first: least_in_flight gives an
+        # idle pool's call to the lowest id (cache_aware, the P and PD default,
+        # would send a cold prompt wherever its rendezvous hash points).
         pools = tuple(
-            PoolConfig(stage, tuple(WorkerEndpoint(w, "tcp://127.0.0.1:0") for w in ids))
+            PoolConfig(
+                stage,
+                tuple(WorkerEndpoint(w, "tcp://127.0.0.1:0") for w in ids),
+                policy=None if stage == "encode" else "least_in_flight",
+            )
             for stage, ids in self.layout.items()
         )
         return RouterConfig(
