@@ -109,6 +109,8 @@ class RouterAdmin:
                 except ConfigError as exc:
                     return _error(400, str(exc))
             kv[name] = value
+        if kv["kv_events_replay_endpoint"] is not None and kv["kv_events_endpoint"] is None:
+            return _error(400, "'kv_events_replay_endpoint' needs kv_events_endpoint")
         endpoint = WorkerEndpoint(
             fields["id"],
             fields["address"],

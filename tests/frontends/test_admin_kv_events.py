@@ -82,6 +82,7 @@ async def test_bad_or_missing_endpoints_are_refused_naming_the_field() -> None:
         ({"kv_events_endpoint": PUB, "kv_events_replay_endpoint": "tcp://h:x"}, "replay_endpoint"),
         ({"kv_events_endpoint": 5557}, "'kv_events_endpoint' must be a non-empty string"),
         ({"kv_events_endpoint": ""}, "'kv_events_endpoint' must be a non-empty string"),
+        ({"kv_events_replay_endpoint": REPLAY}, "'kv_events_replay_endpoint' needs"),
         ({}, "no KV events endpoint"),  # and the pool has no kv_events_port
     ]
     with trio.fail_after(10):
