@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
 
-from epd_actors.discovery import KubernetesSettings
+from epd_actors import open_router
+from epd_actors.core.config import PoolConfig, RouterConfig
+from epd_actors.core.kv_settings import KVEventsSettings
+from epd_actors.discovery import KubernetesPool, KubernetesSettings
 from epd_actors.discovery.endpoints import DiscoveredWorker, EndpointState, SliceSet
+from epd_actors.discovery.kubernetes_settings import ROLE_LABEL
 from epd_actors.discovery.reconcile import Reconciler
 from epd_actors.discovery.registrations import Registration, RegistrationError
 from epd_actors.errors import ConfigError
@@ -19,10 +24,17 @@ from epd_actors.program.worker_registration import (
     add_registration_arguments,
     registration_from_args,
 )
+from epd_actors.simulator.kv_memory import MemoryKVEventPublisher
 from tests.discovery.test_discovery_endpoints import parse
 from tests.discovery.test_discovery_redis import record
 from tests.frontends.test_admin_kv_events import kv_router
-from tests.k8s_fake import endpoint, endpoint_slice
+from tests.k8s_fake import FakeApiServer, endpoint, endpoint_slice
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+    from epd_actors.core.kv_feeds import KVSourceSpec
 
 PUB, REPLAY = "tcp://10.0.0.9:5557", "tcp://10.0.0.9:5558"
 
@@ -109,8 +121,8 @@ def test_bad_worker_kv_registration_options(argv: tuple[str, ...], problem: str)
 # -- Kubernetes: named ports of the slices
 
 
-def kv_slice(*ports: tuple[str, int]) -> dict[str, Any]:
-    obj = endpoint_slice("s", [endpoint("p0", "10.0.0.9")], labels={})
+def kv_slice(*ports: tuple[str, int], pod: str = "p0") -> dict[str, Any]:
+    obj = endpoint_slice("s", [endpoint(pod, "10.0.0.9")], labels={})
     obj["ports"] += [{"name": name, "port": port, "protocol": "TCP"} for name, port in ports]
     return obj
 
@@ -168,3 +180,52 @@ async def test_a_discovered_worker_is_subscribed_on_the_endpoint_its_source_name
         ("prefill-1", PUB, REPLAY)
     ]
     assert subscribed == {"prefill-0", "prefill-1"}
+
+
+async def test_kubernetes_discovery_subscribes_on_the_pods_kv_port(tmp_path: Path) -> None:
+    from epd_actors.discovery.kubernetes import KubernetesDiscovery
+    from tests.discovery.test_discovery_kubernetes import NS, SimBackends, kubeconfig, settings
+
+    api = FakeApiServer()
+    pod = kv_slice(("kv", 5557), ("kv-replay", 5558), pod="prefill-0")
+    pod["metadata"]["labels"] = {ROLE_LABEL: "prefill"}
+    api.put(NS, pod)
+    specs: list[KVSourceSpec] = []
+
+    @contextlib.contextmanager
+    def factory(spec: KVSourceSpec) -> Iterator[MemoryKVEventPublisher]:
+        specs.append(spec)
+        yield MemoryKVEventPublisher()
+
+    pool = PoolConfig("prefill", kv_events=KVEventsSettings(enabled=True))
+    pools = (
+        KubernetesPool(
+            "prefill",
+            None,
+            {ROLE_LABEL: "prefill"},
+            "native",
+            "http",
+            "tcp://{host}:{port}",
+            "kv",
+            "kv-replay",
+        ),
+    )
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await api.start(nursery)
+            async with open_router(
+                RouterConfig((pool, PoolConfig("decode"))),
+                backend_factory=SimBackends(),
+                kv_source_factory=factory,
+            ) as router:
+                path = kubeconfig(tmp_path, api.url, api.token)
+                discovery = KubernetesDiscovery(
+                    settings(path, pools=pools), router.metrics.registry
+                )
+                await nursery.start(discovery.run, router)  # started: listed and applied
+                subscribed = set(router.kv_feeds.pools["prefill"].subscribers)
+                nursery.cancel_scope.cancel()
+    assert [(s.worker_id, s.endpoint, s.replay_endpoint) for s in specs] == [
+        ("prefill-0@10.0.0.9:8000", PUB, REPLAY)
+    ]
+    assert subscribed == {"prefill-0@10.0.0.9:8000"}
