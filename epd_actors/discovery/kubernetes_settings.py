@@ -89,6 +89,8 @@ class KubernetesSettings(DiscoverySettings):
         lines += [
             f"  pool {p.label}: EndpointSlices {p.selector_text}, port {p.port or '(unnamed)'}, "
             f"{p.backend} {p.address_format}"
+            + ("" if p.kv_events_port is None else f", KV events port {p.kv_events_port}")
+            + ("" if p.kv_events_replay_port is None else f", replay {p.kv_events_replay_port}")
             for p in self.pools
         ]
         return lines

@@ -21,7 +21,8 @@ Theory of operation
   thousands of blocks, or a replay of thousands of batches, hands the loop
   back every ``apply_blocks`` blocks instead of holding it throughout.
   Purges are not queued: they drop the updates queued before them and take
-  effect at once.
+  effect at once.  The tracker's counters (``batches``) count a batch when
+  it is taken; its blocks reach the index over the pieces that follow.
 
 :class:`ZmqEventSource` is the real source: a pyzmq SUB socket (subscribed to
 the topic, ``MAXMSGSIZE`` bounding what libzmq accepts at all), its monitor

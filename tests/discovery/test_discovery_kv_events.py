@@ -158,6 +158,8 @@ def test_the_kubernetes_table_reads_the_kv_port_names() -> None:
     prefill, decode = found.pools
     assert (prefill.kv_events_port, prefill.kv_events_replay_port) == ("kv", "kv-replay")
     assert (decode.kv_events_port, decode.kv_events_replay_port) == (None, None)
+    described = "\n".join(found.describe())
+    assert "KV events port kv, replay kv-replay" in described
     with pytest.raises(ConfigError, match=r"pools\[0\]\.kv_events_replay_port: needs kv_events"):
         parse({"kind": "kubernetes", "pools": [{"stage": "prefill", "kv_events_replay_port": "r"}]})
 
