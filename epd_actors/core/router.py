@@ -208,8 +208,16 @@ class Router:
             kv_scope = await self._nursery.start(feeds.run, subscription)
             self._kv_scopes[endpoint.worker_id] = kv_scope
         pool.add(backend)
-        address, kind = endpoint.address, endpoint.backend
-        change = WorkerChange("add", endpoint.worker_id, stage, served, address, kind)
+        change = WorkerChange(
+            "add",
+            endpoint.worker_id,
+            stage,
+            served,
+            endpoint.address,
+            endpoint.backend,
+            kv_events_endpoint=endpoint.kv_events_endpoint or "",
+            kv_events_replay_endpoint=endpoint.kv_events_replay_endpoint or "",
+        )
         self._changed(change, origin)
 
     def _changed(self, change: WorkerChange, origin: str | None) -> None:

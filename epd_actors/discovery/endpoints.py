@@ -20,6 +20,12 @@ relisted set, and merges them into the pool's workers by id (an endpoint seen
 in two slices while the controller moves it counts once, in its most
 eligible state).
 
+A pool may name two more of the slices' ports, ``kv_events_port`` and
+``kv_events_replay_port`` (the Service's ports where each engine publishes KV
+events and answers replays, e.g. ``kv-events`` = 5557): each worker then
+subscribes at ``tcp://HOST:PORT`` of that port (no such port on a slice: the
+router's pool rule applies).
+
 A worker's id is ``NAME@HOST:PORT``: the pod's name (the endpoint's
 ``targetRef``, else its ``hostname``, else the slice's name), its first
 address and the slice's port.  Its identity also carries the pod's uid, so a
@@ -61,12 +67,18 @@ class DiscoveredWorker:
         address: what the backend dials (``address_format`` filled in).
         uid: the pod's uid (None when the endpoint names no pod).
         state: what its conditions say.
+        kv_events_endpoint / kv_events_replay_endpoint: where its engine
+            publishes KV events and answers replays, when the source says
+            (None: the pool's ``kv_events_port`` rule).  Read when the worker
+            is added.
     """
 
     worker_id: str
     address: str
     uid: str | None
     state: EndpointState
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def same_instance(self, other: DiscoveredWorker) -> bool:
         """The same pod at the same address (a restarted pod is another)."""
@@ -114,14 +126,33 @@ def slice_name(obj: Mapping[str, object]) -> str:
     return name if isinstance(name, str) else ""
 
 
+KVPorts = tuple[str | None, str | None]
+"""The names of a slice's KV events port and replay port (None: not looked for)."""
+
+
+def _kv_endpoints(ports: object, names: KVPorts, host: str) -> tuple[str | None, str | None]:
+    """``tcp://HOST:PORT`` of the named KV events ports (the replay one only with the first)."""
+    pub_name, replay_name = names
+    pub = None if pub_name is None else _port(ports, pub_name)
+    if pub is None:
+        return None, None
+    replay = None if replay_name is None else _port(ports, replay_name)
+    return f"tcp://{host}:{pub}", None if replay is None else f"tcp://{host}:{replay}"
+
+
 def workers_of_slice(
-    obj: Mapping[str, object], *, port_name: str, address_format: str
+    obj: Mapping[str, object],
+    *,
+    port_name: str,
+    address_format: str,
+    kv_ports: KVPorts = (None, None),
 ) -> list[DiscoveredWorker]:
     """The workers one EndpointSlice names (those with an address and the named port).
 
     A slice without a port called ``port_name`` ("" matches an unnamed port)
     names no workers; so does an endpoint without addresses.  Entries of the
     wrong shape are skipped, never raised: a bad slice must not stop the watch.
+    ``kv_ports`` names the ports of each worker's KV event endpoints.
     """
     port = _port(obj.get("ports"), port_name)
     endpoints = obj.get("endpoints")
@@ -142,12 +173,15 @@ def workers_of_slice(
         uid = ref.get("uid")
         conditions = endpoint.get("conditions")
         shown = f"[{host}]" if ":" in host else host
+        kv_pub, kv_replay = _kv_endpoints(obj.get("ports"), kv_ports, shown)
         found.append(
             DiscoveredWorker(
                 worker_id=f"{name}@{shown}:{port}",
                 address=address_format.format(host=shown, port=port),
                 uid=uid if isinstance(uid, str) else None,
                 state=_state(conditions if isinstance(conditions, Mapping) else {}),
+                kv_events_endpoint=kv_pub,
+                kv_events_replay_endpoint=kv_replay,
             )
         )
     return found
@@ -159,18 +193,27 @@ class SliceSet:
     Args:
         port_name: the slices' port the workers serve on.
         address_format: ``{host}`` and ``{port}`` -> a backend address.
+        kv_ports: the slices' KV events and replay ports (see the module docstring).
     """
 
-    def __init__(self, *, port_name: str, address_format: str) -> None:
+    def __init__(
+        self, *, port_name: str, address_format: str, kv_ports: KVPorts = (None, None)
+    ) -> None:
         self.port_name = port_name
         self.address_format = address_format
+        self.kv_ports = kv_ports
         self._slices: dict[str, list[DiscoveredWorker]] = {}
 
     def __len__(self) -> int:
         return len(self._slices)
 
     def _workers(self, obj: Mapping[str, object]) -> list[DiscoveredWorker]:
-        return workers_of_slice(obj, port_name=self.port_name, address_format=self.address_format)
+        return workers_of_slice(
+            obj,
+            port_name=self.port_name,
+            address_format=self.address_format,
+            kv_ports=self.kv_ports,
+        )
 
     def replace_all(self, objects: Iterable[Mapping[str, object]]) -> None:
         """Forget every slice and take ``objects`` (a fresh list)."""

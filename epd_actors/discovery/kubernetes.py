@@ -206,7 +206,11 @@ class _PoolWatch:
     ) -> None:
         self.pool = pool
         self.settings = settings
-        self.slices = SliceSet(port_name=pool.port, address_format=pool.address_format)
+        self.slices = SliceSet(
+            port_name=pool.port,
+            address_format=pool.address_format,
+            kv_ports=(pool.kv_events_port, pool.kv_events_replay_port),
+        )
         self.reconciler = Reconciler(pool.stage, pool.model, pool.backend, label=pool.label)
         self.resource_version: str | None = None
         self.health = SourceHealth(

@@ -14,6 +14,8 @@ Keys (docs/deployment.md, "On Kubernetes", has an example)::
     backend = "openai_http"           # how discovered workers are reached
     port = "http"                     # the EndpointSlice port they serve on
     address_format = "http://{host}:{port}"
+    kv_events_port = "kv-events"      # the slices' port where engines publish KV events
+    kv_events_replay_port = "kv-replay"   # ... and answer replays (both default: none)
     watch_timeout_s = 290             # the API server ends each watch after this long
     request_timeout_s = 10            # connect/list timeout
     backoff_start_s = 0.5             # retry delay while the API server is away ...
@@ -23,7 +25,7 @@ Keys (docs/deployment.md, "On Kubernetes", has an example)::
     stage = "decode"
     model = "..."                     # default: the router's model
     selector = { "epd-actors.io/role" = "decode" }   # default: that label = stage
-    # backend, port and address_format may be set per pool too
+    # backend, port, address_format and the kv_events ports may be set per pool too
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING
 from ..core.backend_kinds import backend_kind
 from ..errors import ConfigError
 from .base import DiscoveryKind, DiscoverySettings, register_discovery_kind
-from .endpoints import check_address_format
+from .endpoints import KVPorts, check_address_format
 from .kubernetes_settings import (
     ROLE_LABEL,
     KubernetesPool,
@@ -63,8 +65,19 @@ def _selector(table: ConfigTable, stage: str) -> dict[str, str]:
     return {name: str(value) for name, value in raw.items()}
 
 
+def _kv_ports(table: ConfigTable, defaults: KVPorts) -> KVPorts:
+    """``kv_events_port`` / ``kv_events_replay_port``: port names (a replay one needs the other)."""
+    names = (
+        table.string("kv_events_port", defaults[0]) or None,
+        table.string("kv_events_replay_port", defaults[1]) or None,
+    )
+    if names[1] is not None and names[0] is None:
+        raise ConfigError(f"{table.key('kv_events_replay_port')}: needs kv_events_port")
+    return names
+
+
 def _pool(
-    table: ConfigTable, router: RouterConfig, defaults: tuple[str, str, str]
+    table: ConfigTable, router: RouterConfig, defaults: tuple[str, str, str], kv: KVPorts
 ) -> KubernetesPool:
     stage = table.string("stage", None)
     if not stage:
@@ -79,12 +92,13 @@ def _pool(
     port = table.string("port", defaults[1])
     address_format = table.string("address_format", defaults[2]) or defaults[2]
     selector = _selector(table, stage)
+    kv_ports = _kv_ports(table, kv)
     table.done()
     check_address_format(address_format, key=table.key("address_format"))
     backend_kind(backend, key=table.key("backend")).check_address(
         address_format.format(host="10.0.0.1", port=8000), key=table.key("address_format")
     )
-    return KubernetesPool(stage, model, selector, backend, port or "", address_format)
+    return KubernetesPool(stage, model, selector, backend, port or "", address_format, *kv_ports)
 
 
 @register_discovery_kind
@@ -99,7 +113,8 @@ class KubernetesKind(DiscoveryKind):
         address_format = table.string("address_format", "http://{host}:{port}") or ""
         check_address_format(address_format, key=table.key("address_format"))
         defaults = (backend, port, address_format)
-        pools = tuple(_pool(t, router, defaults) for t in table.tables("pools"))
+        kv = _kv_ports(table, (None, None))
+        pools = tuple(_pool(t, router, defaults, kv) for t in table.tables("pools"))
         if not pools:
             raise ConfigError(f"{table.key('pools')}: name at least one pool to discover")
         seen: set[tuple[str, str | None]] = set()

@@ -34,6 +34,9 @@ class KubernetesPool:
         backend: the backend kind of its workers.
         port: the name of the slices' port its workers serve on ("": unnamed).
         address_format: the backend address, from ``{host}`` and ``{port}``.
+        kv_events_port / kv_events_replay_port: the names of the slices' ports
+            where each engine publishes KV events / answers replays (None:
+            the router's pool rule finds them).
     """
 
     stage: str
@@ -42,6 +45,8 @@ class KubernetesPool:
     backend: str
     port: str
     address_format: str
+    kv_events_port: str | None = None
+    kv_events_replay_port: str | None = None
 
     @property
     def selector_text(self) -> str:
@@ -84,6 +89,8 @@ class KubernetesSettings(DiscoverySettings):
         lines += [
             f"  pool {p.label}: EndpointSlices {p.selector_text}, port {p.port or '(unnamed)'}, "
             f"{p.backend} {p.address_format}"
+            + ("" if p.kv_events_port is None else f", KV events port {p.kv_events_port}")
+            + ("" if p.kv_events_replay_port is None else f", replay {p.kv_events_replay_port}")
             for p in self.pools
         ]
         return lines

@@ -139,7 +139,13 @@ class Reconciler:
     async def _one(self, sink: WorkerSink, op: Operation) -> None:
         worker = op.worker
         if op.action is Action.ADD:
-            endpoint = WorkerEndpoint(worker.worker_id, worker.address, self.backend)
+            endpoint = WorkerEndpoint(
+                worker.worker_id,
+                worker.address,
+                self.backend,
+                worker.kv_events_endpoint,
+                worker.kv_events_replay_endpoint,
+            )
             await sink.add_worker(self.stage, endpoint, model=self.model)
             self._applied[worker.worker_id] = _Applied(worker, taking_work=True)
         elif op.action is Action.REMOVE:

@@ -16,6 +16,11 @@ key                             type    what
                                         each worker's refresh
 ==============================  ======  =============================================
 
+A record may also name where the worker's engine publishes KV events
+(``kv_events_endpoint``, ``kv_events_replay_endpoint``: ZMQ endpoints, the
+same keys as a configured worker's); a record without them leaves the pool's
+``kv_events_port`` rule to find them.
+
 A record names the worker's instance (a random token drawn when its process
 starts), so a worker restarted under the same id and address is a new worker
 to the router (removed, then added again), as a restarted pod is.
@@ -31,6 +36,8 @@ import math
 import secrets
 from dataclasses import dataclass
 
+from ..core.kv_settings import check_zmq_endpoint
+from ..errors import ConfigError
 from .endpoints import DiscoveredWorker, EndpointState
 
 
@@ -48,6 +55,10 @@ _ENDPOINT_STATES = {
     RegistrationState.DRAINING: EndpointState.TERMINATING,
     RegistrationState.STOPPED: EndpointState.TERMINATING,
 }
+
+
+KV_ENDPOINT_FIELDS = ("kv_events_endpoint", "kv_events_replay_endpoint")
+"""The record's optional fields naming the worker's KV event endpoints."""
 
 
 class RegistrationError(ValueError):
@@ -85,6 +96,9 @@ class Registration:
             three times within it.  A router removes a worker whose record has
             been missing for this long (see ``redis_discovery``).
         state: ready, draining, or stopped (it exited).
+        kv_events_endpoint / kv_events_replay_endpoint: where its engine
+            publishes KV events (ZMQ PUB) and answers replays (ROUTER); None:
+            the router's pool finds them by its port rule.
     """
 
     worker_id: str
@@ -95,28 +109,34 @@ class Registration:
     instance: str
     ttl_s: float
     state: RegistrationState = RegistrationState.READY
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "worker_id": self.worker_id,
-                "stage": self.stage,
-                "model": self.model,
-                "address": self.address,
-                "backend": self.backend,
-                "instance": self.instance,
-                "ttl_s": self.ttl_s,
-                "state": self.state.value,
-            },
-            separators=(",", ":"),
-        )
+        record: dict[str, object] = {
+            "worker_id": self.worker_id,
+            "stage": self.stage,
+            "model": self.model,
+            "address": self.address,
+            "backend": self.backend,
+            "instance": self.instance,
+            "ttl_s": self.ttl_s,
+            "state": self.state.value,
+        }
+        for name in KV_ENDPOINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                record[name] = value
+        return json.dumps(record, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> Registration:
         """Read a record.
 
         Raises:
-            RegistrationError: not JSON, a field missing or of the wrong type, an unknown state.
+            RegistrationError: not JSON, a field missing or of the wrong type, an unknown
+                state, a KV events endpoint that is not a ZMQ endpoint (or a replay
+                endpoint without one).
         """
         try:
             data = json.loads(text)
@@ -140,10 +160,34 @@ class Registration:
             state = RegistrationState(values.pop("state"))
         except ValueError:
             raise RegistrationError(f"unknown state {data['state']!r}") from None
-        return cls(ttl_s=ttl_s, state=state, **values)
+        kv: dict[str, str | None] = {}
+        for name in KV_ENDPOINT_FIELDS:
+            value = data.get(name)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise RegistrationError(f"field {name!r} is not a string")
+                try:
+                    check_zmq_endpoint(value, key=f"field {name!r}")
+                except ConfigError as exc:
+                    raise RegistrationError(str(exc)) from None
+            kv[name] = value
+        if kv["kv_events_replay_endpoint"] is not None and kv["kv_events_endpoint"] is None:
+            raise RegistrationError("field 'kv_events_replay_endpoint' needs kv_events_endpoint")
+        return cls(
+            ttl_s=ttl_s,
+            state=state,
+            kv_events_endpoint=kv["kv_events_endpoint"],
+            kv_events_replay_endpoint=kv["kv_events_replay_endpoint"],
+            **values,
+        )
 
     def as_discovered(self) -> DiscoveredWorker:
         """The worker as the reconciler sees it (draining reads as terminating)."""
         return DiscoveredWorker(
-            self.worker_id, self.address, self.instance, _ENDPOINT_STATES[self.state]
+            self.worker_id,
+            self.address,
+            self.instance,
+            _ENDPOINT_STATES[self.state],
+            self.kv_events_endpoint,
+            self.kv_events_replay_endpoint,
         )

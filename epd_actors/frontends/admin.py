@@ -8,6 +8,8 @@ method   path                             effect
 =======  ===============================  ==========================================
 GET      /admin/workers                   every pool's workers and their state
 POST     /admin/workers                   add ``{"stage", "id", "address", "backend"}``
+                                          (and optionally ``kv_events_endpoint``,
+                                          ``kv_events_replay_endpoint``)
 POST     /admin/workers/{id}/drain        no new jobs to that worker; in-flight finish
 POST     /admin/workers/{id}/undrain      new jobs to that worker again (undoes drain)
 DELETE   /admin/workers/{id}              remove it (its in-flight jobs are cancelled)
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 from ..core.backend_kinds import backend_kind_names
 from ..core.config import WorkerEndpoint
 from ..core.fleet.view import fleet_view
+from ..core.kv_settings import check_zmq_endpoint
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
 
 WORKERS = "/admin/workers"
 ROUTERS = "/admin/routers"
+KV_ENDPOINT_FIELDS = ("kv_events_endpoint", "kv_events_replay_endpoint")
+"""Optional fields of an add: where the worker's engine publishes KV events (ZMQ)."""
 
 
 def _error(status: int, message: str) -> tuple[int, object]:
@@ -93,7 +98,26 @@ class RouterAdmin:
         backend = body.get("backend", "native")
         if backend not in backend_kind_names():
             return _error(400, f"'backend' must be one of {', '.join(backend_kind_names())}")
-        endpoint = WorkerEndpoint(fields["id"], fields["address"], backend)
+        kv: dict[str, str | None] = {}
+        for name in KV_ENDPOINT_FIELDS:
+            value = body.get(name)
+            if value is not None and (not isinstance(value, str) or not value):
+                return _error(400, f"{name!r} must be a non-empty string")
+            if value is not None:
+                try:
+                    check_zmq_endpoint(value, key=name)
+                except ConfigError as exc:
+                    return _error(400, str(exc))
+            kv[name] = value
+        if kv["kv_events_replay_endpoint"] is not None and kv["kv_events_endpoint"] is None:
+            return _error(400, "'kv_events_replay_endpoint' needs kv_events_endpoint")
+        endpoint = WorkerEndpoint(
+            fields["id"],
+            fields["address"],
+            backend,
+            kv["kv_events_endpoint"],
+            kv["kv_events_replay_endpoint"],
+        )
         try:
             await self.router.add_worker(fields["stage"], endpoint)
         except ConfigError as exc:

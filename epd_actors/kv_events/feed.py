@@ -43,22 +43,36 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from .decode import AllBlocksCleared
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
 
-    from .decode import EventBatch
-    from .index import KVBlockIndex
+    from .decode import EventBatch, KVEvent
 
-__all__ = ["RECOVERY_BATCHES", "FeedState", "FeedStatistics", "FeedTracker", "ReplayRequest"]
+__all__ = [
+    "RECOVERY_BATCHES",
+    "FeedState",
+    "FeedStatistics",
+    "FeedTracker",
+    "IndexWriter",
+    "ReplayRequest",
+]
 
 logger = logging.getLogger(__name__)
 
 RECOVERY_BATCHES: Final = 64
 """In-order batches after a loss before a degraded worker counts as exact again."""
+
+
+class IndexWriter(Protocol):
+    """What a tracker does to the index: a :class:`~.index.KVBlockIndex`, or a queue before one."""
+
+    def apply(self, worker_id: str, events: Sequence[KVEvent]) -> None: ...
+
+    def purge(self, worker_id: str) -> None: ...
 
 
 class FeedState(enum.Enum):
@@ -98,12 +112,13 @@ class FeedTracker:
 
     Args:
         worker_id: the worker the stream belongs to.
-        index: the shared index this worker's events go into.
+        index: where this worker's events go (the shared index, or what
+            queues them for it: :class:`IndexWriter`).
         recovery_batches: in-order batches from ``degraded`` back to ``exact`` (>= 0).
     """
 
     def __init__(
-        self, worker_id: str, index: KVBlockIndex, *, recovery_batches: int = RECOVERY_BATCHES
+        self, worker_id: str, index: IndexWriter, *, recovery_batches: int = RECOVERY_BATCHES
     ) -> None:
         self.worker_id = worker_id
         self._index = index

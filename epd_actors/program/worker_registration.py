@@ -36,6 +36,7 @@ import trio
 
 from ..addresses import Address, parse_address
 from ..core.fleet.settings import REDIS_SCHEMES, redacted_url
+from ..core.kv_settings import check_zmq_endpoint
 from ..discovery.registrations import (
     Registration,
     RegistrationState,
@@ -81,6 +82,19 @@ def add_registration_arguments(parser: argparse.ArgumentParser) -> None:
         "needed when --listen binds 0.0.0.0 or :: (default: the bound --listen address)",
     )
     group.add_argument(
+        "--register-kv-events-endpoint",
+        default=None,
+        metavar="ENDPOINT",
+        help="where routers subscribe to this worker's KV events, tcp://HOST:PORT "
+        "(default: none; the router's pool kv_events_port rule applies)",
+    )
+    group.add_argument(
+        "--register-kv-events-replay-endpoint",
+        default=None,
+        metavar="ENDPOINT",
+        help="where routers ask this worker's engine for KV event replays (with the above)",
+    )
+    group.add_argument(
         "--register-prefix", default="epd", help="Redis key prefix (default epd, as [shared])"
     )
     group.add_argument(
@@ -103,6 +117,8 @@ class RegistrationSettings:
     key_prefix: str = "epd"
     ttl_s: float = 6.0
     timeout_s: float = 1.0
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         scheme = urlsplit(self.url).scheme
@@ -116,6 +132,16 @@ class RegistrationSettings:
             raise ConfigError("--register-prefix must not be empty")
         if not self.stage or not self.model:
             raise ConfigError("--register-stage and --register-model must not be empty")
+        for flag, value in (
+            ("--register-kv-events-endpoint", self.kv_events_endpoint),
+            ("--register-kv-events-replay-endpoint", self.kv_events_replay_endpoint),
+        ):
+            if value is not None:
+                check_zmq_endpoint(value, key=flag)
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError(
+                "--register-kv-events-replay-endpoint needs --register-kv-events-endpoint"
+            )
 
     @property
     def refresh_s(self) -> float:
@@ -145,7 +171,13 @@ def registration_from_args(
     """The registration the options ask for (None: ``--register`` not given)."""
     url = args.register or os.environ.get(REGISTER_URL_ENV, "")
     if not url:
-        for name in ("register_stage", "register_model", "advertise_address"):
+        for name in (
+            "register_stage",
+            "register_model",
+            "advertise_address",
+            "register_kv_events_endpoint",
+            "register_kv_events_replay_endpoint",
+        ):
             if getattr(args, name) is not None:
                 raise ConfigError(f"--{name.replace('_', '-')} needs --register")
         return None
@@ -156,6 +188,8 @@ def registration_from_args(
         advertise=args.advertise_address,
         key_prefix=args.register_prefix,
         ttl_s=args.register_ttl,
+        kv_events_endpoint=args.register_kv_events_endpoint,
+        kv_events_replay_endpoint=args.register_kv_events_replay_endpoint,
     )
     given = settings.advertise
     if given is not None and ("://" in given or given.startswith("unix:")):
@@ -193,6 +227,8 @@ class Registrar:
             backend=backend,
             instance=new_instance(),
             ttl_s=settings.ttl_s,
+            kv_events_endpoint=settings.kv_events_endpoint,
+            kv_events_replay_endpoint=settings.kv_events_replay_endpoint,
         )
         self._draining = draining
         self._wake = trio.Event()

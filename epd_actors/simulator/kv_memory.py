@@ -9,7 +9,9 @@ cache's sink) numbers each batch from 0, encodes it with
 and queues ``[topic, seq, payload]`` for the one subscriber.  The object is
 also that subscriber's :class:`~epd_actors.kv_events.subscriber.KVEventSource`
 (``receive``, ``replay``), so an in-process fleet (tests, benchmarks) runs
-the router's real subscriber, decoder and index.
+the router's real subscriber, decoder and index.  It decodes with the
+subscriber's decoders on the calling (Trio) thread: it has no receiving
+thread, and tests stay deterministic.
 
 Backpressure: the queue holds ``max_queue`` messages; a batch that does not
 fit is dropped and counted (``dropped``), leaving a gap the subscriber
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from ..kv_events.decode import KVEvent
+    from ..kv_events.subscriber import LiveDecoder, Received, ReplayDecoder
 
 __all__ = ["MemoryKVEventPublisher"]
 
@@ -70,21 +73,21 @@ class MemoryKVEventPublisher:
         except trio.WouldBlock:
             self.dropped += 1
 
-    async def receive(self) -> list[Sequence[bytes] | str]:
-        """Wait for the next message; returns it with every one queued behind it."""
-        out: list[Sequence[bytes] | str] = [await self._receive.receive()]
+    async def receive(self, decode: LiveDecoder) -> list[Received]:
+        """Wait for the next message; returns it with every one queued behind it, decoded."""
+        out: list[Received] = [decode(await self._receive.receive())]
         while True:
             try:
-                out.append(self._receive.receive_nowait())
+                out.append(decode(self._receive.receive_nowait()))
             except trio.WouldBlock:
                 return out
 
-    async def replay(self, start_seq: int) -> ReplayAnswer | None:
-        """The kept batches from ``start_seq`` on, as a ROUTER socket answers them."""
+    async def replay(self, start_seq: int, decode: ReplayDecoder) -> ReplayAnswer | None:
+        """The kept batches from ``start_seq`` on, as a ROUTER socket answers them, decoded."""
         await trio.lowlevel.checkpoint()
-        frames = tuple(
-            [b"", seq.to_bytes(8, "big"), payload]
+        decoded = (
+            decode([b"", seq.to_bytes(8, "big"), payload])
             for seq, payload in self._buffer
             if seq >= start_seq
         )
-        return ReplayAnswer(frames, complete=True)
+        return ReplayAnswer(tuple(d for d in decoded if d is not None), complete=True)

@@ -281,15 +281,15 @@ class FailingOnce:
         self.publisher = publisher
         self.failed = False
 
-    async def receive(self):  # type: ignore[no-untyped-def]
+    async def receive(self, decode):  # type: ignore[no-untyped-def]
         if not self.failed:
             self.failed = True
             await trio.lowlevel.checkpoint()
             raise OSError("socket broke")
-        return await self.publisher.receive()
+        return await self.publisher.receive(decode)
 
-    async def replay(self, start_seq: int):  # type: ignore[no-untyped-def]
-        return await self.publisher.replay(start_seq)
+    async def replay(self, start_seq: int, decode):  # type: ignore[no-untyped-def]
+        return await self.publisher.replay(start_seq, decode)
 
 
 async def test_a_failing_feed_is_replaced_after_a_backoff_and_never_stops_the_router(

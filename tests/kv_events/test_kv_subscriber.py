@@ -62,15 +62,16 @@ class FakePublisher:
         self.seq = 0
         self.sent = []
 
-    async def receive(self):
-        return [await self.receive_channel.receive()]
+    async def receive(self, decode):
+        item = await self.receive_channel.receive()
+        return [item if item == DISCONNECTED else decode(item)]
 
-    async def replay(self, start_seq):
+    async def replay(self, start_seq, decode):
         self.replays.append(start_seq)
         if not self.replay_enabled:
             return None
-        frames = tuple([b"", s.to_bytes(8, "big"), p] for s, p in self.sent if s >= start_seq)
-        return ReplayAnswer(frames, complete=True)
+        frames = ([b"", s.to_bytes(8, "big"), p] for s, p in self.sent if s >= start_seq)
+        return ReplayAnswer(tuple(d for f in frames if (d := decode(f)) is not None), True)
 
 
 async def settle() -> None:

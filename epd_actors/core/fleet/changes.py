@@ -27,6 +27,8 @@ class WorkerChange:
         worker_id: the worker (replicas name workers alike).
         stage, model, address, backend: what ``add`` needs (empty otherwise;
             ``model`` empty: the router's default model).
+        kv_events_endpoint, kv_events_replay_endpoint: the worker's own KV
+            event endpoints, for ``add`` (empty: the pool's port rule).
         origin: the router instance that made the change (set when shared).
     """
 
@@ -37,6 +39,8 @@ class WorkerChange:
     address: str = ""
     backend: str = "native"
     origin: str = ""
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
@@ -56,7 +60,16 @@ class WorkerChange:
             raise ConfigError(f"a shared worker change has no known action: {data!r}")
         fields = {}
         defaults = {"backend": "native"}
-        for name in ("worker_id", "stage", "model", "address", "backend", "origin"):
+        for name in (
+            "worker_id",
+            "stage",
+            "model",
+            "address",
+            "backend",
+            "origin",
+            "kv_events_endpoint",
+            "kv_events_replay_endpoint",
+        ):
             value = data.get(name, defaults.get(name, ""))
             if not isinstance(value, str):
                 raise ConfigError(f"a shared worker change has a non-string {name}: {value!r}")

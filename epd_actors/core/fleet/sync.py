@@ -104,7 +104,13 @@ T = TypeVar("T")
 
 
 async def _apply_add(router: Router, change: WorkerChange) -> None:
-    endpoint = WorkerEndpoint(change.worker_id, change.address, change.backend)
+    endpoint = WorkerEndpoint(
+        change.worker_id,
+        change.address,
+        change.backend,
+        change.kv_events_endpoint or None,
+        change.kv_events_replay_endpoint or None,
+    )
     await router.add_worker(
         change.stage, endpoint, model=change.model or None, origin=change.origin
     )
