@@ -351,6 +351,10 @@ class KVEventSubscriber:
         self._apply_blocks = apply_blocks
         self._updates = _QueuedUpdates(index)
         self.tracker = FeedTracker(worker_id, self._updates, recovery_batches=recovery_batches)
+        self.applying = False
+        """A taken message's updates (and its replay's) are still going into the
+        index: the tracker's ``batches`` counts a batch when it is taken, before
+        its pieces are applied."""
 
     @property
     def state(self) -> FeedState:
@@ -405,12 +409,16 @@ class KVEventSubscriber:
             logger.warning("%s: bad KV event message: %s", self.worker_id, item.error)
             self.tracker.undecodable(item.seq)
             return
-        request = self.tracker.receive(item.seq, item.batch)
-        await self._flush()
-        if request is not None:
-            answer = await self._source.replay(request.start, self.decode_replay)
-            self.tracker.replayed(None if answer is None else answer.batches)
+        self.applying = True
+        try:
+            request = self.tracker.receive(item.seq, item.batch)
             await self._flush()
+            if request is not None:
+                answer = await self._source.replay(request.start, self.decode_replay)
+                self.tracker.replayed(None if answer is None else answer.batches)
+                await self._flush()
+        finally:
+            self.applying = False
 
     async def _flush(self) -> None:
         """Apply the queued updates, ``apply_blocks`` at a time, checkpointing after each piece.

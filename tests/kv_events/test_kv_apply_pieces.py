@@ -232,7 +232,7 @@ async def test_decoded_in_a_thread_a_garbage_message_in_a_burst_is_counted_and_s
     pub.send.send_nowait([b"kv", b"short", b""])
     for n in range(10, 14):
         pub.publish(stored(n, None if n == 10 else n - 1))
-    await until(lambda: sub.statistics().batches == 6)
+    await until(lambda: sub.statistics().batches == 6 and not sub.applying)
     stats = sub.statistics()
     assert stats.decode_errors == 2
     assert index.engine_hashes("w") == {10, 11, 12, 13}  # the loss purged 1 and 2
