@@ -175,6 +175,7 @@ class SimKVEventPublisher:
         self._thread: threading.Thread | None = None
         self._pub: Any = None
         self._router: Any = None
+        self.numbered = 0  # batches given a sequence number (published or dropped)
         self.published = 0
         self.dropped = 0
         self.replays_served = 0
@@ -219,6 +220,7 @@ class SimKVEventPublisher:
     def publish(self, events: Sequence[KVEvent]) -> None:
         """Number, encode and queue one batch; never blocks (a full queue drops it)."""
         seq = next(self._seq)
+        self.numbered = seq + 1
         ts = trio.current_time() if trio.lowlevel.in_trio_run() else 0.0
         payload = encode_batch(events, ts=ts, encoding=self.encoding, data_parallel_rank=self._rank)
         try:

@@ -283,9 +283,10 @@ async def test_sim_publisher_to_subscriber_to_index_agrees_with_the_sims_cache(e
                     await sim.prefill(prefill(f"late prompt number {n} " * 3, 100 + n))
                     await trio.sleep(0.02)
                 # On a loaded machine the subscriber may still trail the last batches.
-                # A batch is counted when taken and applied in pieces after: wait for both.
+                # Every batch numbered so far taken in order (the publisher's thread
+                # sends them a little later), and its pieces applied.
                 with trio.fail_after(20):
-                    while sub.statistics().batches < pub.published or sub.applying:  # noqa: ASYNC110  (another thread's work: polled)
+                    while sub.statistics().expected_seq != pub.numbered or sub.applying:  # noqa: ASYNC110  (another thread's work: polled)
                         await trio.sleep(0.02)
                 assert sub.state is FeedState.EXACT
                 assert index.engine_hashes("p0") == cache.contents()
