@@ -57,6 +57,7 @@ from harness import (
     ANNOUNCE,
     ROUTER_ANNOUNCE,
     Process,
+    _env,
     free_port,
     router_argv,
     start_peer,
@@ -111,9 +112,10 @@ def sim_args(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def start_fleet(stack: ExitStack, store: str, args: argparse.Namespace, *, kv: bool) -> Fleet:
+def start_fleet(
+    stack: ExitStack, store: str, args: argparse.Namespace, env: dict[str, str], *, kv: bool
+) -> Fleet:
     fleet = Fleet([], {})
-    env = _env()
     for role in ("prefill", "decode"):
         for index in range(args.workers):
             worker_id = f"{role}-{index}"
@@ -135,19 +137,11 @@ def start_fleet(stack: ExitStack, store: str, args: argparse.Namespace, *, kv: b
     return fleet
 
 
-def _env() -> dict[str, str]:
-    import os
-
-    env = dict(os.environ)
-    env["EPD_AUTH_TOKEN"] = secrets.token_urlsafe(16)
-    env.setdefault("PYTHONHASHSEED", "0")
-    return env
-
-
 def router_config(fleet: Fleet, policy: str) -> str:
     """This router over the fleet: the P pool on ``policy``, D on ``least_in_flight``."""
     lines = [
         f'model = "{MODEL}"',
+        'auth_token_env = "EPD_AUTH_TOKEN"',
         "",
         "[server]",
         'http_listen = "127.0.0.1:0"',
@@ -174,7 +168,12 @@ def router_config(fleet: Fleet, policy: str) -> str:
 
 
 def start_system(
-    stack: ExitStack, workdir: Path, fleet: Fleet, system: str, vllm_router: str | None
+    stack: ExitStack,
+    workdir: Path,
+    fleet: Fleet,
+    system: str,
+    vllm_router: str | None,
+    env: dict[str, str],
 ) -> str:
     """Start the router under test in front of ``fleet``; its base URL."""
     peer, _, peer_policy = system.partition(":")
@@ -185,10 +184,10 @@ def start_system(
         argv = vllm_router_argv(
             vllm_router, port, free_port(), fleet.workers, pd=True, policy=peer_policy
         )
-        return start_peer(stack, argv, port, _env(), name=system).announced
+        return start_peer(stack, argv, port, env, name=system).announced
     config = workdir / f"{system}.toml"
     config.write_text(router_config(fleet, system), encoding="utf-8")
-    router = Process(router_argv(config, cores=None), env=_env(), pattern=ROUTER_ANNOUNCE)
+    router = Process(router_argv(config, cores=None), env=env, pattern=ROUTER_ANNOUNCE)
     stack.callback(router.stop)
     return router.announced
 
@@ -270,8 +269,9 @@ async def replay(url: str, trace: Trace, args: argparse.Namespace) -> tuple[list
 def run_system(system: str, trace: Trace, args: argparse.Namespace, workdir: Path) -> Result:
     with ExitStack() as stack:
         store = tempfile.mkdtemp(prefix="fleet-", dir=workdir)
-        fleet = start_fleet(stack, store, args, kv=system == "kv_aware")
-        url = start_system(stack, workdir, fleet, system, args.vllm_router)
+        env = _env(secrets.token_urlsafe(16))  # the workers' and the router's
+        fleet = start_fleet(stack, store, args, env, kv=system == "kv_aware")
+        url = start_system(stack, workdir, fleet, system, args.vllm_router, env)
         time.sleep(args.settle_s)  # noqa: TID251 (a plain script: health probes, KV subscriptions)
         start = time.perf_counter()
         ttfts, errors = trio.run(replay, url, trace, args)

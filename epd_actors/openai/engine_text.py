@@ -30,7 +30,7 @@ class EngineText(str):
     """``str`` plus :attr:`json`, the JSON string literal (quotes included) it was decoded from.
 
     Built as ``EngineText(text)`` with ``json`` set at once (str's own
-    constructor, no Python call: see :func:`engine_text`).  The caller
+    constructor: no Python call on the hot path).  The caller
     guarantees that ``json`` is a valid JSON string literal whose
     value is ``text`` and that holds no raw control character (so it fits in
     one SSE ``data:`` line).
@@ -39,19 +39,11 @@ class EngineText(str):
     json: str
 
 
-def engine_text(text: str, literal: str) -> EngineText:
-    """``text`` with its literal (on the hot path the two lines are written inline)."""
-    value = EngineText(text)
-    value.json = literal
-    return value
-
-
 def joined_literal(literals: list[str]) -> str:
     """One JSON string literal for the concatenation of ``literals`` (each with its quotes).
 
     A JSON string's escapes never span its closing quote, so dropping the
-    quotes between two literals joins their values.
+    quotes between two literals joins their values.  (The parser keeps a
+    single literal as it is and calls this only for two or more.)
     """
-    if len(literals) == 1:
-        return literals[0]
     return _QUOTE + "".join([literal[1:-1] for literal in literals]) + _QUOTE

@@ -19,7 +19,7 @@ from epd_actors.core.output_relay import OutputRelay, delta_event
 from epd_actors.errors import ConfigError
 from epd_actors.handoff import open_handoff
 from epd_actors.http.sse import SseDecoder
-from epd_actors.openai.engine_text import EngineText, engine_text, joined_literal
+from epd_actors.openai.engine_text import EngineText, joined_literal
 from epd_actors.openai.format import SseFormatter
 from epd_actors.program.config_file import parse_config
 from epd_actors.protocol import Delta, Usage
@@ -188,7 +188,8 @@ def test_a_model_alias_and_the_router_s_id_replace_the_engine_s() -> None:
 
 
 def test_a_joined_string_is_a_plain_str_again() -> None:
-    text = engine_text("ab", '"ab"')
+    text = EngineText("ab")
+    text.json = '"ab"'
     assert text == "ab"
     assert type(text + "c") is str
     assert type("".join([text, text])) is str

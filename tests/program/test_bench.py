@@ -443,7 +443,8 @@ def test_the_live_fleet_benchmark_configures_each_policy_it_compares() -> None:
     workers += [("decode", "decode-0", "http://127.0.0.1:2")]
     fleet = Fleet(workers, {"prefill-0": ("tcp://127.0.0.1:3", "tcp://127.0.0.1:4")})
     for policy in ("round_robin", "cache_aware", "kv_aware"):
-        config = parse_config(tomllib.loads(router_config(fleet, policy)), environ={}).router
+        text = router_config(fleet, policy)
+        config = parse_config(tomllib.loads(text), environ={"EPD_AUTH_TOKEN": "t"}).router
         pools = {pool.stage: pool for pool in config.pools}
         assert (pools["prefill"].policy, pools["decode"].policy) == (policy, "least_in_flight")
         assert pools["prefill"].kv_events.enabled == (policy == "kv_aware")
