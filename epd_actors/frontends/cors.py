@@ -71,12 +71,16 @@ class CorsPolicy:
         # Origins compare case-insensitively in scheme and host (RFC 6454 4).
         return origin if origin.lower() in {o.lower() for o in self.origins} else None
 
+    def _vary(self) -> Headers:
+        """``Vary: Origin`` unless every origin gets the same answer (``*``)."""
+        return () if "*" in self.origins else (("vary", "origin"),)
+
     def response_headers(self, origin: str) -> Headers:
         """Headers for an ordinary answer to a request from ``origin``."""
         if not self.origins:
             return ()
         allowed = self.allowed(origin)
-        vary: Headers = () if "*" in self.origins else (("vary", "origin"),)
+        vary = self._vary()
         if allowed is None:
             return vary
         return (
@@ -94,7 +98,7 @@ class CorsPolicy:
         if not self.origins:
             return ()
         allowed = self.allowed(origin)
-        vary: Headers = () if "*" in self.origins else (("vary", "origin"),)
+        vary = self._vary()
         if allowed is None:
             return vary
         headers: Headers = (
