@@ -62,7 +62,7 @@ import trio
 from ..core.models import model_ids, model_list_body
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
 from ..http.body import body_framer
-from ..http.server_connection import ClientGone, Refusal
+from ..http.server_connection import ClientGone, Refusal, whole_response
 from ..logs import ACCESS_LOGGER
 from ..openai.body_checks import reject_lone_surrogates, unknown_model
 from ..openai.errors import HttpError, error_response
@@ -497,20 +497,16 @@ class HttpConnection:
         self, status: int, payload: bytes, extra: tuple[tuple[str, str], ...]
     ) -> None:
         self._note_status(status)
-        reason = _PHRASES.get(status, b"")
-        if status == 204:  # no Content-Length and no body (RFC 9110 8.6, 15.3.5)
-            await self._send(
-                h11.Response(status_code=status, headers=self._headers(extra), reason=reason),
-                h11.EndOfMessage(),
-            )
-            return
-        headers = self._headers((*extra, ("content-length", str(len(payload)))))
-        response = h11.Response(status_code=status, headers=headers, reason=reason)
-        if self.exchange is not None and self.exchange.method == "HEAD":
-            # The head a GET would get, its Content-Length included, and no body (RFC 9110 9.3.2).
-            await self._send(response, h11.EndOfMessage())
-            return
-        await self._send(response, h11.Data(data=payload), h11.EndOfMessage())
+        head_only = self.exchange is not None and self.exchange.method == "HEAD"
+        data = whole_response(
+            self.h11,
+            status,
+            self._headers(extra),
+            payload,
+            head_only=head_only,
+            reason=_PHRASES.get(status, b""),
+        )
+        await self._write(data)
 
     async def _send_error(self, exc: HttpError | EpdError | _Failed) -> None:
         timings = exc.timings if isinstance(exc, _Failed) else None
@@ -526,10 +522,6 @@ class HttpConnection:
             extra = (*extra, ("x-epd-timings", timings.header_value()))
         logger.debug("[%s] answering %d: %s", self.rid, answer.status, error)
         await self._send_json(answer.status, answer.body, extra)
-
-    async def _send(self, *events: h11.Event) -> None:
-        data = b"".join(self.h11.send(event) or b"" for event in events)
-        await self._write(data)
 
     async def _write(self, data: bytes) -> None:
         """Write ``data`` through the connection, counting it for the access log.

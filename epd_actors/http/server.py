@@ -60,7 +60,7 @@ import h11
 import trio
 
 from .body import body_framer
-from .server_connection import ClientGone, Refusal, ServerConnection, ServerLimits
+from .server_connection import ClientGone, Refusal, ServerConnection, ServerLimits, whole_response
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -204,16 +204,10 @@ class Responder:
         """
         if self.started:
             raise RuntimeError("a response was already started")
-        connection = self._conn.h11
-        headers = [
-            ("content-type", response.content_type),
-            ("content-length", str(len(response.body))),
-            *response.headers,
-        ]
-        data = connection.send(h11.Response(status_code=response.status, headers=headers)) or b""
-        if response.body and not self._head_only:
-            data += connection.send(h11.Data(data=response.body)) or b""
-        data += connection.send(h11.EndOfMessage()) or b""
+        headers = [("content-type", response.content_type), *response.headers]
+        data = whole_response(
+            self._conn.h11, response.status, headers, response.body, head_only=self._head_only
+        )
         await self._conn.write(data)
 
     async def start(self, status: int, headers: Sequence[tuple[str, str]]) -> None:

@@ -59,13 +59,39 @@ from ..transport.nowait import NowaitWriter
 from .upgrade import ReplayStream, replayed_head
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Sequence
 
-__all__ = ["ClientGone", "Refusal", "ServerConnection", "ServerLimits"]
+__all__ = ["ClientGone", "Refusal", "ServerConnection", "ServerLimits", "whole_response"]
 
 logger = logging.getLogger(__name__)
 
 _CONTINUE: Final = h11.InformationalResponse(status_code=100, headers=[])
+
+
+def whole_response(
+    connection: h11.Connection,
+    status: int,
+    headers: Sequence[tuple[str, str]],
+    body: bytes,
+    *,
+    head_only: bool,
+    reason: bytes = b"",
+) -> bytes:
+    """The bytes of one whole response through ``connection``, for one write.
+
+    ``Content-Length`` is added, except on a 204, which has neither it nor a
+    body (RFC 9110 8.6, 15.3.5); the answer to a ``HEAD`` (``head_only``) is
+    the head a ``GET`` would get, its ``Content-Length`` included, and no
+    body (RFC 9110 9.3.2).
+    """
+    if status == 204:
+        head = h11.Response(status_code=status, headers=list(headers), reason=reason)
+        return (connection.send(head) or b"") + (connection.send(h11.EndOfMessage()) or b"")
+    sized = [*headers, ("content-length", str(len(body)))]
+    data = connection.send(h11.Response(status_code=status, headers=sized, reason=reason)) or b""
+    if body and not head_only:
+        data += connection.send(h11.Data(data=body)) or b""
+    return data + (connection.send(h11.EndOfMessage()) or b"")
 
 
 @dataclass(frozen=True, slots=True)
