@@ -41,6 +41,7 @@ bounded by ``CLEANUP_TIMEOUT_S``.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import ssl
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ from ..transport.nowait import send_some_nowait
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+
+    from ..transport.read_hub import ReadHub
 
 __all__ = [
     "BadResponse",
@@ -116,15 +119,21 @@ class ClientLimits:
 
 
 class _Connection:
-    """One socket (or TLS stream) and the bytes received beyond what was consumed."""
+    """One socket (or TLS stream) and the bytes received beyond what was consumed.
 
-    __slots__ = ("buffer", "idle_since", "socket", "stream")
+    ``failure``: a read error that a read without waiting met (in a
+    :class:`~epd_actors.transport.read_hub.ReadHub`'s task); the next awaited
+    read raises it.
+    """
+
+    __slots__ = ("buffer", "failure", "idle_since", "socket", "stream")
 
     def __init__(self, stream: trio.abc.Stream, socket: trio.socket.SocketType) -> None:
         self.stream = stream
         self.socket = socket
         self.buffer = bytearray()
         self.idle_since = 0.0
+        self.failure: OSError | None = None
 
 
 class WorkerHttpClient:
@@ -305,6 +314,8 @@ class WorkerHttpClient:
 
     async def _receive(self, conn: _Connection) -> bytes:
         """More bytes from ``conn`` (``b""`` at EOF)."""
+        if conn.failure is not None:
+            raise ConnectionLost(f"the connection broke while reading: {conn.failure!r}")
         seconds = self.limits.read_timeout_s
         with trio.move_on_after(seconds):
             try:
@@ -339,8 +350,10 @@ class Response:
         "_client",
         "_conn",
         "_framing",
+        "_hub",
         "_keep_alive",
         "_left",
+        "_read_at",
         "complete",
         "headers",
         "status",
@@ -356,6 +369,8 @@ class Response:
         self._left = 0  # bytes of a Content-Length body still to come
         self._chunk_left = -1  # chunked: data bytes left in the current chunk; -1: a size line
         self._keep_alive = False
+        self._hub: ReadHub | None = None  # serving the body now (serve_body)
+        self._read_at = 0.0  # when serve_body's reads last got bytes
 
     def __repr__(self) -> str:
         return f"<Response {self.status} {self._framing} complete={self.complete}>"
@@ -373,8 +388,11 @@ class Response:
         A read waiting for the body (in another task) is woken and, like every
         later read, raises ``ConnectionLost``.  :meth:`aclose` is still due.
         """
-        if self._conn is not None:
-            _close_now(self._conn)
+        conn = self._conn
+        if conn is not None:
+            if self._hub is not None:
+                self._hub.release(conn.socket)
+            _close_now(conn)
 
     async def read_all(self, limit: int) -> bytes:
         """The rest of the body.
@@ -406,25 +424,10 @@ class Response:
         if self.complete or conn is None:
             return None
         while True:
-            if self._framing == "chunked":
-                data = self._take_chunked(conn)
-                if data or self.complete:
-                    return data or None
-            elif self._framing == "length":
-                if self._left == 0:
-                    self.complete = True
-                    return None
-                if conn.buffer:
-                    data = bytes(conn.buffer[: self._left])
-                    del conn.buffer[: len(data)]
-                    self._left -= len(data)
-                    return data
-            elif self._framing == "none":
-                self.complete = True
+            data = self._buffered_body(conn)
+            if data is None:
                 return None
-            elif conn.buffer:  # "close": the body runs to EOF
-                data = bytes(conn.buffer)
-                conn.buffer.clear()
+            if data:
                 return data
             more = await self._client._receive(conn)
             if not more:
@@ -433,6 +436,105 @@ class Response:
                     return None
                 raise ConnectionLost("the server closed the connection before the body ended")
             conn.buffer += more
+
+    def body_nowait(self) -> bytes | None:
+        """The body bytes already received, without waiting: ``b""`` if none; None at the end.
+
+        Raises:
+            BadResponse: broken chunked framing.
+        """
+        conn = self._conn
+        if self.complete or conn is None:
+            return None
+        return self._buffered_body(conn)
+
+    def _buffered_body(self, conn: _Connection) -> bytes | None:
+        """Consume the body bytes in ``conn``'s buffer: them, ``b""`` if none, None at the end."""
+        framing = self._framing
+        if framing == "chunked":
+            data = self._take_chunked(conn)
+            if data:
+                return data
+            return None if self.complete else b""
+        if framing == "length":
+            if self._left == 0:
+                self.complete = True
+                return None
+            if not conn.buffer:
+                return b""
+            data = bytes(conn.buffer[: self._left])
+            del conn.buffer[: len(data)]
+            self._left -= len(data)
+            return data
+        if framing == "none":
+            self.complete = True
+            return None
+        # "close": the body runs to EOF
+        data = bytes(conn.buffer)
+        conn.buffer.clear()
+        return data
+
+    def receive_nowait(self) -> bool:
+        """Read what the socket has now into the buffer, without waiting: whether bytes came.
+
+        For a reader in a :class:`~epd_actors.transport.read_hub.ReadHub`'s
+        handler.  False at the end of the stream or on a read error, which the
+        next awaited read (:meth:`next_chunk`) then reports; neither blocks
+        nor raises otherwise.
+
+        Raises:
+            trio.WouldBlock: the socket has nothing now.
+        """
+        conn = self._conn
+        if conn is None or conn.failure is not None:
+            return False
+        try:
+            more = os.read(conn.socket.fileno(), RECEIVE_CHUNK_BYTES)
+        except BlockingIOError:
+            raise trio.WouldBlock from None
+        except OSError as exc:
+            conn.failure = exc
+            return False
+        if not more:
+            return False
+        conn.buffer += more
+        self._read_at = trio.current_time()
+        return True
+
+    async def serve_body(self, hub: ReadHub, handle: Callable[[], bool]) -> bool:
+        """Let ``hub`` call ``handle`` whenever the body's socket is readable (``ReadHub.serve``).
+
+        ``handle`` reads with :meth:`receive_nowait` and :meth:`body_nowait`.
+        ``read_timeout_s`` bounds each wait for bytes, as for :meth:`next_chunk`,
+        without a timeout scope per read: the one deadline is moved on only
+        when it passes after bytes came.
+
+        Returns:
+            True when ``handle`` gave the body back (or the connection was
+            closed with :meth:`close_now`); False when the hub cannot serve it
+            (not running, or a TLS connection): the caller reads with
+            :meth:`next_chunk`.
+
+        Raises:
+            RequestTimeout: no bytes within ``read_timeout_s``.
+            what ``handle`` raised.
+
+        Cancellation: safe; the socket leaves the hub before the caller resumes.
+        """
+        conn = self._conn
+        if conn is None or not hub.running or type(conn.stream) is not trio.SocketStream:
+            return False
+        seconds = self._client.limits.read_timeout_s
+        self._read_at = trio.current_time()
+        self._hub = hub
+        try:
+            while True:
+                with trio.move_on_at(self._read_at + seconds):
+                    return await hub.serve(conn.socket, handle)
+                if trio.current_time() - self._read_at >= seconds:
+                    raise RequestTimeout("reading the response", seconds)
+        finally:
+            self._hub = None
 
     async def aclose(self, *, drain_s: float = 0.0) -> None:
         """End the response: the connection returns to the pool if the body was read in full.

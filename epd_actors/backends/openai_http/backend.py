@@ -49,7 +49,11 @@ Stage requests become vLLM's disaggregated contract
   ``kv_transfer_params`` and ``usage.prompt_tokens`` returned;
 * generate (D and PD): one streamed POST; the stream's bytes are decoded into
   protocol deltas as the caller reads them -- one delta per network read, not
-  per token.
+  per token.  With ``shared_stream_reader`` (the default, on Linux) the
+  backend's :class:`~epd_actors.transport.read_hub.ReadHub` reads every open
+  stream's socket in one task while their readers wait, and hands each
+  non-final delta to the reader's sink there: a stream in step with its
+  engine costs one ``read`` per token and no wake-up of its own.
 
 Errors are mapped once, in :meth:`OpenAIHttpBackend._mapped`: no connection
 -> ``WorkerDisconnected``; a lost connection or a reply that is not HTTP ->
@@ -114,6 +118,7 @@ from ...limits import CLEANUP_TIMEOUT_S
 from ...lora import LOAD_LORA_PATH, AdapterLoads, listed_adapters
 from ...protocol import EncodeRequest, ErrorCode, StageResult
 from ...trace_context import trace_headers
+from ...transport.read_hub import ReadHub
 from ..base import BackendStatus, WorkerRequirement
 from .contract import (
     DeltaParser,
@@ -188,9 +193,11 @@ class OpenAIHttpDeltaStream:
     """The deltas of one streamed generate request (a ``DeltaStream``).
 
     Backpressure: reads the response only when the caller asks for the next
-    delta; everything already received is merged into that one delta, or,
-    without ``merge_reads``, each chunk received becomes a delta of its own
-    (the events not parsed yet wait in ``_unparsed``).
+    delta, or, with a sink (:meth:`set_sink`), while the caller waits with
+    nothing queued and the sink takes what is read; everything already
+    received is merged into that one delta, or, without ``merge_reads``,
+    each chunk received becomes a delta of its own (the events not parsed yet
+    wait in ``_unparsed``).
     """
 
     def __init__(self, backend: OpenAIHttpBackend, call: HttpCall, reply: Response) -> None:
@@ -204,11 +211,13 @@ class OpenAIHttpDeltaStream:
         self._merge = backend.settings.merge_reads
         self._unparsed: deque[SseEvent] = deque()  # without merge_reads: read, not parsed
         self._down: str | None = None  # why the worker was declared down mid-stream
+        self._sink: Callable[[Delta], bool] | None = None
+        self._held: Delta | None = None  # parsed by the hub's task, not taken by the sink
 
     @property
     def finished(self) -> bool:
         """Whether the terminal delta has been returned."""
-        return self._parser.terminal_sent
+        return self._parser.terminal_sent and self._held is None
 
     def abandon(self, why: str) -> None:
         """The worker is down: close the connection, so the stream's next read fails.
@@ -225,6 +234,11 @@ class OpenAIHttpDeltaStream:
     async def receive(self) -> Delta:
         """The next delta; ``trio.EndOfChannel`` after the terminal one.
 
+        With a sink set and the backend's read hub running, the hub's task
+        reads the response while this waits, and hands each non-final delta
+        to the sink; this resumes for the one the sink refused, the terminal
+        delta, a failure or the end of the body.
+
         Raises:
             WorkerDisconnected: the connection broke, the worker was declared
                 down (:meth:`abandon`), or the stream ended without a finish reason.
@@ -233,22 +247,69 @@ class OpenAIHttpDeltaStream:
 
         Cancellation: safe; the stream's owner closes the connection.
         """
-        if self._parser.terminal_sent:
-            raise trio.EndOfChannel
         while True:
             delta = self._take()
             if delta is not None:
                 return delta
+            if self._parser.terminal_sent:
+                raise trio.EndOfChannel
             try:
-                chunk = await self._reply.next_chunk()
+                chunk = await self._read()
             except HttpClientError as exc:
                 raise self._failure(exc) from exc
             if chunk is None:
                 return self._end()
+            if chunk:
+                self._parse(chunk)
+
+    async def _read(self) -> bytes | None:
+        """More body bytes (None at its end); ``b""``: the read hub left a delta in ``_held``."""
+        reply = self._reply
+        hub = self._backend.read_hub
+        if self._sink is not None and hub.running and self._down is None:
+            chunk = reply.body_nowait()  # received with the head, or after the hub's last turn
+            if chunk != b"":
+                return chunk
+            if await reply.serve_body(hub, self._read_by_hub):
+                self._held = self._take()
+                if self._held is not None:
+                    return b""
+            # The hub gave the body back with nothing parsed (its end, the
+            # connection's, a failure) or cannot serve it: read it here.
+        return await reply.next_chunk()
+
+    def _read_by_hub(self) -> bool:
+        """The read hub's handler: read, parse, hand deltas to the sink; False: resume the reader.
+
+        Runs in the hub's task while the reader waits in :meth:`receive`;
+        raises what parsing raises (the reader resumes with it).
+        """
+        reply = self._reply
+        try:
+            if not reply.receive_nowait():
+                return False  # the end of the connection, or a read error: the reader reports it
+        except trio.WouldBlock:
+            return True
+        chunk = reply.body_nowait()
+        if chunk is None:
+            return False  # the end of the body
+        if chunk:
             self._parse(chunk)
+        sink = self._sink
+        assert sink is not None
+        while (delta := self._take()) is not None:
+            if delta.finish_reason is None and sink(delta):
+                continue
+            self._held = delta
+            return False
+        return True
 
     def _take(self) -> Delta | None:
         """The parsed delta; without ``merge_reads``, parsing one more event at a time."""
+        held = self._held
+        if held is not None:
+            self._held = None
+            return held
         delta = self._parser.take()
         while delta is None and self._unparsed:
             self._parse(None)
@@ -286,15 +347,24 @@ class OpenAIHttpDeltaStream:
 
     def receive_nowait(self) -> Delta:
         """A delta already parsed from what was read (else ``trio.WouldBlock``); no read."""
+        delta = self._take()
+        if delta is not None:
+            return delta
         if self._parser.terminal_sent:
             raise trio.EndOfChannel
-        delta = self._take()
-        if delta is None:
-            raise trio.WouldBlock
-        return delta
+        raise trio.WouldBlock
 
     def set_sink(self, sink: Callable[[Delta], bool]) -> None:
-        """Nothing to do: the stream reads only when its reader asks (see ``DeltaStream``)."""
+        """Let the backend's read hub hand non-final deltas to ``sink`` (see :meth:`receive`).
+
+        ``sink`` is called in the hub's task while this stream's reader waits
+        in :meth:`receive` with nothing queued; it must not raise or block.
+        Returning False resumes the reader with that delta, so the order of
+        the deltas always holds.  Without a running hub (``[openai_http]
+        shared_stream_reader`` off, a TLS connection, no ``epoll``) the stream
+        reads only when its reader asks, and keeps the deltas for ``receive``.
+        """
+        self._sink = sink
 
     def _failure(self, exc: HttpClientError) -> WorkerDisconnected | RemoteWorkerError:
         backend, request_id = self._backend, self._call.request_id
@@ -416,6 +486,7 @@ class OpenAIHttpBackend:
         self.ledger = ledger
         self._client: WorkerHttpClient | None = None
         self._running = False
+        self.read_hub = ReadHub()  # reads the open streams while run() runs
         self._reachable = Hysteresis(
             failures_to_down=settings.failures_to_down, successes_to_up=settings.successes_to_up
         )
@@ -540,10 +611,13 @@ class OpenAIHttpBackend:
         prober = self._new_client(1)
         self._client = client
         try:
-            task_status.started()
-            while True:
-                await self._probe(prober)
-                await trio.sleep(self.settings.health_interval_s)
+            async with trio.open_nursery() as nursery:
+                if self.settings.shared_stream_reader:
+                    await nursery.start(self.read_hub.run)
+                task_status.started()
+                while True:
+                    await self._probe(prober)
+                    await trio.sleep(self.settings.health_interval_s)
         finally:
             self._client = None
             self._running = False

@@ -93,6 +93,11 @@ class OpenAIHttpSettings:
             recognised without a JSON parse, and its text goes to an SSE
             client as vLLM encoded it (:mod:`.relay`); False: every chunk
             is parsed, and the text encoded again.
+        shared_stream_reader: one task per backend reads the sockets of all
+            its open streams while their readers wait, and hands the deltas
+            on there (:class:`~epd_actors.transport.read_hub.ReadHub`; Linux,
+            plain HTTP); False, or over TLS: each stream's reader reads its
+            own socket.
     """
 
     connect_timeout_s: float = 5.0
@@ -116,6 +121,7 @@ class OpenAIHttpSettings:
     lora_load_timeout_s: float = 60.0
     merge_reads: bool = True
     relay_engine_text: bool = True
+    shared_stream_reader: bool = True
 
     def __post_init__(self) -> None:
         for name in _DURATIONS:
