@@ -151,7 +151,8 @@ class ReadHub:
         Returns:
             True when ``handle`` returned False (or :meth:`release` was
             called); False at once, or later, when the hub is not running or
-            stopped: the caller reads ``sock`` itself.
+            stopped, or cannot watch ``sock`` (closed): the caller reads
+            ``sock`` itself, and its own read reports what is wrong.
 
         Raises:
             what ``handle`` raised (the caller resumes with it).
@@ -166,9 +167,10 @@ class ReadHub:
         fd = sock.fileno()
         if fd in self._watching:
             raise trio.BusyResourceError("another task is already served on this socket")
-        if fd < 0:
-            return False  # closed: the caller's own read reports it
-        epoll.register(fd, _READABLE)
+        try:
+            epoll.register(fd, _READABLE)
+        except (OSError, ValueError):  # closed (-1), or not a pollable socket: the caller reads
+            return False
         watch = self._watching[fd] = _Watch(fd, handle, trio.lowlevel.current_task())
 
         def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:

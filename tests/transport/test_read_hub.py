@@ -179,6 +179,15 @@ async def test_one_owner_per_socket_and_one_run_per_hub() -> None:
             hub.release(right)
 
 
+async def test_a_closed_socket_is_left_to_its_owner() -> None:
+    left, right = trio.socket.socketpair()
+    left.close()
+    right.close()
+    async with running_hub() as hub:
+        assert await hub.serve(right, reader(right, [], 1)) is False
+        assert hub.watching == 0
+
+
 async def test_a_socket_that_stays_readable_does_not_starve_other_tasks() -> None:
     """The handler leaves the bytes unread: the set reports the socket every pass."""
     left, right = trio.socket.socketpair()

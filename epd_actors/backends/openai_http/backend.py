@@ -265,8 +265,8 @@ class OpenAIHttpDeltaStream:
     async def _read(self) -> bytes | None:
         """More body bytes (None at its end); ``b""``: the read hub left a delta in ``_held``."""
         reply = self._reply
-        hub = self._backend.read_hub
-        if self._sink is not None and hub.running and self._down is None:
+        sink, down = self._sink, self._down
+        if sink is not None and down is None and (hub := self._backend.read_hub).running:
             chunk = reply.body_nowait()  # received with the head, or after the hub's last turn
             if chunk != b"":
                 return chunk
