@@ -27,6 +27,7 @@ import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -34,34 +35,63 @@ from harness import run_bench, start_scenario
 from run_router_overhead import add_pacing_arguments, scenarios
 
 ROUTER_SCENARIOS = ("native-pd", "native-epd", "native-e-pd", "http-pd", "http-epd")
+MAX_TOKENS = 64
 
 # pstats' raw table: (file, line, function) -> (primitive calls, calls, self s, cum. s, callers)
 Table = dict[tuple[str, int, str], tuple[int, int, float, float, object]]
 
 
-def profile_load(args: argparse.Namespace, source: str | None, requests: int) -> tuple[int, Table]:
-    """Completed requests and the router's profile for one load of ``requests``."""
+def run_load(
+    args: argparse.Namespace, source: str | None, requests: int, workdir: Path, **start: Any
+) -> int:
+    """Start ``args.scenario`` from ``source`` (``start`` goes to ``start_scenario``),
+    load it with ``requests`` requests of 64 tokens, stop it; the requests completed."""
     scenario = scenarios(args.token_s, step_clock=args.step_clock)[args.scenario]
     scenario.source = source
+    with ExitStack() as stack:
+        start_scenario(scenario, stack, workdir, **start)
+        document = run_bench(
+            scenario.url,
+            concurrency=args.concurrency,
+            requests=requests,
+            max_tokens=MAX_TOKENS,
+            cores=None,
+            out=workdir / "bench.json",
+        )
+    summary = document["summary"]
+    assert isinstance(summary, dict)
+    return int(summary["completed"])
+
+
+def add_count_arguments(parser: argparse.ArgumentParser, *, requests: int, extra: int) -> None:
+    """The arguments both counting scripts take (scenario, load sizes, ``--baseline``)."""
+    parser.add_argument("--scenario", choices=ROUTER_SCENARIOS, default="native-pd")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=requests, help="the first load")
+    parser.add_argument("--extra", type=int, default=extra, help="the second load's extra")
+    parser.add_argument("--top", type=int, default=0, help="list the most-called functions")
+    parser.add_argument("--baseline", default=None, help="another checkout, counted too")
+    add_pacing_arguments(parser)
+
+
+def checkouts(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(label, source) of this checkout and ``--baseline``'s."""
+    found: list[tuple[str, str | None]] = [("this checkout", None)]
+    if args.baseline:
+        found.append((f"baseline {args.baseline}", args.baseline))
+    return found
+
+
+def profile_load(args: argparse.Namespace, source: str | None, requests: int) -> tuple[int, Table]:
+    """Completed requests and the router's profile for one load of ``requests``."""
     with tempfile.TemporaryDirectory(prefix="epd-calls-") as tmp:
         workdir = Path(tmp)
         out = workdir / "router.prof"
         python = (sys.executable, "-m", "cProfile", "-o", str(out), "-m", "epd_actors")
-        with ExitStack() as stack:
-            start_scenario(scenario, stack, workdir, router_python=python)
-            document = run_bench(
-                scenario.url,
-                concurrency=args.concurrency,
-                requests=requests,
-                max_tokens=64,
-                cores=None,
-                out=workdir / "bench.json",
-            )
-        # The router wrote its profile on its way out (the stack stopped it).
+        completed = run_load(args, source, requests, workdir, router_python=python)
+        # The router wrote its profile on its way out (the load's end stopped it).
         table: Table = pstats.Stats(str(out)).stats  # type: ignore[attr-defined]
-        summary = document["summary"]
-        assert isinstance(summary, dict)
-        return int(summary["completed"]), table
+        return completed, table
 
 
 def per_request(args: argparse.Namespace, source: str | None) -> tuple[float, dict[str, float]]:
@@ -81,18 +111,9 @@ def per_request(args: argparse.Namespace, source: str | None) -> tuple[float, di
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", choices=ROUTER_SCENARIOS, default="native-pd")
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=300, help="the first load")
-    parser.add_argument("--extra", type=int, default=1000, help="the second load's extra")
-    parser.add_argument("--top", type=int, default=0, help="list the most-called functions")
-    parser.add_argument("--baseline", default=None, help="another checkout, counted too")
-    add_pacing_arguments(parser)
+    add_count_arguments(parser, requests=300, extra=1000)
     args = parser.parse_args()
-    checkouts: list[tuple[str, str | None]] = [("this checkout", None)]
-    if args.baseline:
-        checkouts.append((f"baseline {args.baseline}", args.baseline))
-    for label, source in checkouts:
+    for label, source in checkouts(args):
         total, functions = per_request(args, source)
         print(f"{args.scenario}, {label}: {total:,.0f} Python calls per request")
         ranked = sorted(functions.items(), key=lambda item: -item[1])

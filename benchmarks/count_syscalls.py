@@ -25,16 +25,11 @@ import re
 import shutil
 import sys
 import tempfile
-from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import run_bench, start_scenario
-from run_router_overhead import add_pacing_arguments, scenarios
-
-ROUTER_SCENARIOS = ("native-pd", "native-epd", "native-e-pd", "http-pd", "http-epd")
-MAX_TOKENS = 64
+from count_calls import MAX_TOKENS, add_count_arguments, checkouts, run_load
 
 # strace -c's table: "% time  seconds  usecs/call  calls  [errors]  syscall"
 _ROW = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:(\d+)\s+)?(\w+)\s*$")
@@ -55,26 +50,13 @@ def count_load(
     args: argparse.Namespace, source: str | None, requests: int
 ) -> tuple[int, dict[str, tuple[int, int]]]:
     """Completed requests and the router's system calls for one load of ``requests``."""
-    scenario = scenarios(args.token_s, step_clock=args.step_clock)[args.scenario]
-    scenario.source = source
     with tempfile.TemporaryDirectory(prefix="epd-syscalls-") as tmp:
         workdir = Path(tmp)
         out = workdir / "strace.txt"
         wrapper = ("strace", "-c", "-f", "-o", str(out), "--")
-        with ExitStack() as stack:
-            start_scenario(scenario, stack, workdir, router_wrapper=wrapper)
-            document = run_bench(
-                scenario.url,
-                concurrency=args.concurrency,
-                requests=requests,
-                max_tokens=MAX_TOKENS,
-                cores=None,
-                out=workdir / "bench.json",
-            )
-        # strace wrote its summary when the router exited (the stack stopped it).
-        summary = document["summary"]
-        assert isinstance(summary, dict)
-        return int(summary["completed"]), parse_summary(out.read_text(encoding="utf-8"))
+        completed = run_load(args, source, requests, workdir, router_wrapper=wrapper)
+        # strace wrote its summary when the router exited (the load's end stopped it).
+        return completed, parse_summary(out.read_text(encoding="utf-8"))
 
 
 def per_token(
@@ -96,20 +78,12 @@ def per_token(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", choices=ROUTER_SCENARIOS, default="http-pd")
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=100, help="the first load")
-    parser.add_argument("--extra", type=int, default=256, help="the second load's extra")
-    parser.add_argument("--top", type=int, default=8, help="list this many system calls")
-    parser.add_argument("--baseline", default=None, help="another checkout, counted too")
-    add_pacing_arguments(parser)
+    add_count_arguments(parser, requests=100, extra=256)
+    parser.set_defaults(scenario="http-pd", top=8)
     args = parser.parse_args()
     if shutil.which("strace") is None:
         raise SystemExit("count_syscalls.py needs strace")
-    checkouts: list[tuple[str, str | None]] = [("this checkout", None)]
-    if args.baseline:
-        checkouts.append((f"baseline {args.baseline}", args.baseline))
-    for label, source in checkouts:
+    for label, source in checkouts(args):
         tokens, rows = per_token(args, source)
         total = sum(calls for calls, _ in rows.values())
         print(f"{args.scenario}, {label}: {total:.2f} system calls per token ({tokens:,} tokens)")
