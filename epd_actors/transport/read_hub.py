@@ -135,9 +135,11 @@ class ReadHub:
                     if not keep:
                         self._hand_back(watch, outcome.Value(True))
         finally:
+            # The set closes below: the owners only need resuming, not unregistering.
             self._epoll = None
-            for watch in list(self._watching.values()):
-                self._hand_back(watch, outcome.Value(False), epoll)
+            watching, self._watching = self._watching, {}
+            for watch in watching.values():
+                trio.lowlevel.reschedule(watch.task, outcome.Value(False))
             trio.lowlevel.notify_closing(fd)
             epoll.close()
 
@@ -190,19 +192,14 @@ class ReadHub:
         if watch is not None:
             self._hand_back(watch, outcome.Value(True))
 
-    def _hand_back(
-        self,
-        watch: _Watch,
-        result: outcome.Outcome[bool],
-        epoll: select.epoll | None = None,
-    ) -> None:
-        self._leave(watch, epoll)
+    def _hand_back(self, watch: _Watch, result: outcome.Outcome[bool]) -> None:
+        self._leave(watch)
         trio.lowlevel.reschedule(watch.task, result)
 
-    def _leave(self, watch: _Watch, epoll: select.epoll | None = None) -> None:
+    def _leave(self, watch: _Watch) -> None:
         if self._watching.get(watch.fd) is watch:
             del self._watching[watch.fd]
-        epoll = epoll or self._epoll
+        epoll = self._epoll
         if epoll is not None:
             # OSError: closed already (the kernel dropped it from the set).
             with contextlib.suppress(OSError):
