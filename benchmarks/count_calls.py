@@ -63,9 +63,15 @@ def run_load(
     return int(summary["completed"])
 
 
-def add_count_arguments(parser: argparse.ArgumentParser, *, requests: int, extra: int) -> None:
+def add_count_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    requests: int,
+    extra: int,
+    scenarios: tuple[str, ...] = ROUTER_SCENARIOS,
+) -> None:
     """The arguments both counting scripts take (scenario, load sizes, ``--baseline``)."""
-    parser.add_argument("--scenario", choices=ROUTER_SCENARIOS, default="native-pd")
+    parser.add_argument("--scenario", choices=scenarios, default="native-pd")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=requests, help="the first load")
     parser.add_argument("--extra", type=int, default=extra, help="the second load's extra")

@@ -8,11 +8,14 @@ requests.  The difference between the two counts, divided by the extra
 requests' output tokens, is the cost per token without start-up and
 shut-down.  Prints the calls per token, each system call's share, and the
 reads that found nothing (``EAGAIN``).  ``--baseline`` counts another checkout
-the same way, for a before and after::
+the same way, for a before and after; ``--scenario vllm-router-pd`` counts
+vllm-router in P/D mode over the same workers, for the side by side::
 
     python benchmarks/count_syscalls.py --scenario http-pd --token-s 0.01 --step-clock
     python benchmarks/count_syscalls.py --scenario http-pd --token-s 0.01 --step-clock \\
         --baseline <checkout>
+    python benchmarks/count_syscalls.py --scenario vllm-router-pd --token-s 0.01 --step-clock \\
+        --vllm-router $(command -v vllm-router)
 
 Needs ``strace`` (Linux).  The router runs slower under ``strace``, so reads
 that would merge at full speed may not; compare counts of one run.
@@ -29,7 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from count_calls import MAX_TOKENS, add_count_arguments, checkouts, run_load
+from count_calls import MAX_TOKENS, ROUTER_SCENARIOS, add_count_arguments, checkouts, run_load
+
+# Peer routers counted beside ours (a checkout's code does not change them: no --baseline).
+PEER_SCENARIOS = ("vllm-router-pd",)
 
 # strace -c's table: "% time  seconds  usecs/call  calls  [errors]  syscall"
 _ROW = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:(\d+)\s+)?(\w+)\s*$")
@@ -54,7 +60,9 @@ def count_load(
         workdir = Path(tmp)
         out = workdir / "strace.txt"
         wrapper = ("strace", "-c", "-f", "-o", str(out), "--")
-        completed = run_load(args, source, requests, workdir, router_wrapper=wrapper)
+        completed = run_load(
+            args, source, requests, workdir, router_wrapper=wrapper, vllm_router=args.vllm_router
+        )
         # strace wrote its summary when the router exited (the load's end stopped it).
         return completed, parse_summary(out.read_text(encoding="utf-8"))
 
@@ -78,11 +86,15 @@ def per_token(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_count_arguments(parser, requests=100, extra=256)
+    scenarios = (*ROUTER_SCENARIOS, *PEER_SCENARIOS)
+    add_count_arguments(parser, requests=100, extra=256, scenarios=scenarios)
+    parser.add_argument("--vllm-router", default=None, help="path of the vllm-router program")
     parser.set_defaults(scenario="http-pd", top=8)
     args = parser.parse_args()
     if shutil.which("strace") is None:
         raise SystemExit("count_syscalls.py needs strace")
+    if args.scenario in PEER_SCENARIOS and args.baseline:
+        raise SystemExit("--baseline changes our router's code, not a peer's")
     for label, source in checkouts(args):
         tokens, rows = per_token(args, source)
         total = sum(calls for calls, _ in rows.values())

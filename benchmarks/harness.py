@@ -202,8 +202,8 @@ def start_scenario(
 
     ``vllm_router``, ``epd_proxy`` and ``epd_proxy_python`` are the peer
     programs (see :class:`PeerPrograms`), needed only by scenarios of their kind.
-    ``router_wrapper`` goes before the router's own argv (e.g. a profiler's
-    ``record --``); ``router_python`` replaces its ``python -m epd_actors``;
+    ``router_wrapper`` goes before the router's own argv, a peer's too (e.g. a
+    profiler's ``record --``, or ``strace``); ``router_python`` replaces its ``python -m epd_actors``;
     ``server_lines`` are added to the router configuration's ``[server]`` table
     (e.g. ``stream_coalescing = "off"``).
     """
@@ -229,7 +229,7 @@ def start_scenario(
         programs = PeerPrograms(vllm_router, epd_proxy, epd_proxy_python or sys.executable)
         port = free_port()
         argv = PEER_COMMANDS[scenario.kind](programs, port, endpoints)
-        argv = [*taskset_prefix(router_cores), *argv]
+        argv = [*taskset_prefix(router_cores), *router_wrapper, *argv]
         scenario.router = start_peer(stack, argv, port, env, name=scenario.name)
         scenario.url = scenario.router.announced
         return

@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from ..frontends.cors import CorsPolicy, parse_origins
 from ..logs import LOG_FORMATS, configure_logging
 from .check_config import add_check_config_arguments, check_topology, run_check_config
+from .collector import tune_collector
 from .config_file import FileConfig, ServerConfig, load_config, parse_host_port
 from .local import add_local_arguments, run_local
 from .process_child import child_spec, serve_child
@@ -267,6 +268,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"epd_actors serve: configuration error: {exc}", file=sys.stderr)
         return 2
     status = 0
+    _tune_collector(config.server.gc_young_threshold)
     try:
         if child is None:
             trio.run(_serve, config)
@@ -280,6 +282,17 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         status = 2
     return status
+
+
+def _tune_collector(young_threshold: int) -> None:
+    """Set up the garbage collector for serving (:mod:`.collector`), and say so at debug."""
+    tuning = tune_collector(young_threshold)
+    if tuning is not None:
+        logger.debug(
+            "garbage collector: %d start-up objects frozen, thresholds %s",
+            tuning.frozen,
+            tuning.thresholds,
+        )
 
 
 def host_port_overrides(

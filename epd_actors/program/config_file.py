@@ -46,6 +46,7 @@ from ..lora import LoraAdapter
 from ..openai.coalescing import STREAM_COALESCING_MODES, check_stream_coalescing
 from ..openai.fields import UNKNOWN_FIELD_CHOICES, FieldPolicy
 from ..openai.media import MediaLimits, MediaPolicy
+from .collector import DEFAULT_YOUNG_THRESHOLD
 
 if TYPE_CHECKING:
     from ..discovery import DiscoverySettings
@@ -80,6 +81,10 @@ class ServerConfig:
             from its worker, and no backend merges the deltas of one read
             (:mod:`~epd_actors.openai.coalescing`).  Copied into ``http``,
             ``ws``, ``[native]`` and ``[openai_http]``.
+        gc_young_threshold: the garbage collector's youngest-generation
+            threshold for the router process, which also freezes what start-up
+            allocated (:mod:`~epd_actors.program.collector`); 0 leaves
+            Python's collector as it is.
     """
 
     http_listen: str = "127.0.0.1:8000"
@@ -94,6 +99,7 @@ class ServerConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     stream_coalescing: str = "ready"
+    gc_young_threshold: int = DEFAULT_YOUNG_THRESHOLD
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +209,7 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
     drain_timeout_s = table.number("drain_timeout_s", defaults.drain_timeout_s, minimum=0.001)
     drain_notice_s = table.number("drain_notice_s", defaults.drain_notice_s, minimum=0.0)
     access_log = table.boolean("access_log", False)
+    gc_young_threshold = table.integer("gc_young_threshold", defaults.gc_young_threshold)
     ws_on_http = table.boolean("ws_on_http", defaults.ws_on_http)
     ssl_certfile = table.string("ssl_certfile", None)
     ssl_keyfile = table.string("ssl_keyfile", None)
@@ -250,6 +257,7 @@ def _server(table: ConfigTable, env: dict[str, str]) -> ServerConfig:
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
         stream_coalescing=coalescing,
+        gc_young_threshold=gc_young_threshold,
     )
 
 

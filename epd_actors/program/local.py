@@ -23,6 +23,7 @@ from .._groups import first_leaf
 from ..core.config import PoolConfig, RouterConfig, WorkerEndpoint
 from ..errors import WorkerError
 from ..frontends.http_app import HttpSettings
+from .collector import DEFAULT_YOUNG_THRESHOLD, tune_collector
 from .config_file import FileConfig, ServerConfig
 from .deployment import LocalWorkers, WorkerSpec, open_local_workers
 from .serve import ServingAddresses, serve_router
@@ -171,6 +172,7 @@ def run_local(args: argparse.Namespace) -> int:
         )
         return 2
     status = 0
+    tune_collector(DEFAULT_YOUNG_THRESHOLD)
     try:
         trio.run(serve_local, args)
     except* OSError as group:
