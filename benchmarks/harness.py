@@ -203,7 +203,8 @@ def start_scenario(
     ``vllm_router``, ``epd_proxy`` and ``epd_proxy_python`` are the peer
     programs (see :class:`PeerPrograms`), needed only by scenarios of their kind.
     ``router_wrapper`` goes before the router's own argv, a peer's too (e.g. a
-    profiler's ``record --``, or ``strace``); ``router_python`` replaces its ``python -m epd_actors``;
+    profiler's ``record --``, or ``strace``); ``router_python`` replaces its
+    ``python -m epd_actors``;
     ``server_lines`` are added to the router configuration's ``[server]`` table
     (e.g. ``stream_coalescing = "off"``).
     """

@@ -66,7 +66,7 @@ from ..http.server_connection import ClientGone, Refusal, whole_response
 from ..logs import ACCESS_LOGGER
 from ..openai.body_checks import reject_lone_surrogates, unknown_model
 from ..openai.errors import HttpError, error_response
-from ..openai.format import AnswerBuilder, SseFormatter, error_body, unix_time
+from ..openai.format import AnswerBuilder, SseFormatter, compact_json, error_body, unix_time
 from ..openai.schema import ParsedRequest, parse_chat_completion, parse_completion
 from ..openai.sse import render_batch
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
@@ -490,7 +490,7 @@ class HttpConnection:
     async def _send_json(
         self, status: int, body: object, extra: tuple[tuple[str, str], ...] = ()
     ) -> None:
-        payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        payload = compact_json(body).encode()
         await self._send_bytes(status, payload, (("content-type", "application/json"), *extra))
 
     async def _send_bytes(

@@ -66,6 +66,7 @@ from ..openai.body_checks import unknown_model
 from ..openai.coalescing import check_stream_coalescing
 from ..openai.errors import HttpError
 from ..openai.fields import STRICT_FIELDS, FieldPolicy
+from ..openai.format import compact_json
 from ..openai.media import MediaLimits
 from ..openai.schema import parse_chat_completion, parse_completion
 from ..request import DeltaEvent, DoneEvent, ErrorEvent
@@ -78,7 +79,6 @@ from .ws_messages import (
     WsMessageError,
     batch_messages,
     cancelled_message,
-    compact_json,
     delta_messages,
     done_message,
     error_message,

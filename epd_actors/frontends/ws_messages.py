@@ -17,7 +17,7 @@ from ..openai.body_checks import (
     may_hold_lone_surrogate,
 )
 from ..openai.errors import HttpError, error_response
-from ..openai.format import error_body, usage_body
+from ..openai.format import compact_json, error_body, usage_body
 from ..protocol import merge_delta_fields
 
 if TYPE_CHECKING:
@@ -164,11 +164,6 @@ def _refuse_constant(name: str) -> object:
 
 
 # ---------------------------------------------------------------- server messages
-
-
-def compact_json(value: object) -> str:
-    """JSON without spaces (one WebSocket text message)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def error_payload(exc: BaseException) -> dict[str, str | None]:

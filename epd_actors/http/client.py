@@ -353,6 +353,7 @@ class Response:
         "_hub",
         "_keep_alive",
         "_left",
+        "_now",
         "_read_at",
         "complete",
         "headers",
@@ -371,6 +372,7 @@ class Response:
         self._keep_alive = False
         self._hub: ReadHub | None = None  # serving the body now (serve_body)
         self._read_at = 0.0  # when serve_body's reads last got bytes
+        self._now = trio.lowlevel.current_clock().current_time  # per read: the cheapest clock
 
     def __repr__(self) -> str:
         return f"<Response {self.status} {self._framing} complete={self.complete}>"
@@ -498,7 +500,7 @@ class Response:
         if not more:
             return False
         conn.buffer += more
-        self._read_at = trio.current_time()
+        self._read_at = self._now()
         return True
 
     async def serve_body(self, hub: ReadHub, handle: Callable[[], bool]) -> bool:

@@ -117,33 +117,29 @@ class SseDecoder:
         if lines:
             lines.pop()  # what follows the last line break: nothing
         events: list[SseEvent] = []
-        for line in lines:
-            if line[-1:] == b"\r":
-                line = line.rstrip(b"\r")
-            if line[:5] == b"data:":
-                value = line[6:] if line[5:6] == b" " else line[5:]
-                self._data_bytes += len(value)
-                if self._data_bytes > self.max_event_bytes:
-                    raise SseError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
-                self._data.append(_utf8(value))
-            elif not line:
-                if self._data or self._event:
-                    data = self._data
-                    events.append(
-                        SseEvent(self._event, data[0] if len(data) == 1 else "\n".join(data))
-                    )
-                    self._data, self._data_bytes, self._event = [], 0, ""
-            elif line == b"data":  # a field without a colon has an empty value
-                self._data.append("")
-            elif line[:1] != b":":
-                name, _, value = line.partition(b":")
-                if name == b"event":
-                    self._event = _utf8(value[1:] if value[:1] == b" " else value)
+        try:
+            for line in lines:
+                if line[-1:] == b"\r":
+                    line = line.rstrip(b"\r")
+                if line[:5] == b"data:":
+                    value = line[6:] if line[5:6] == b" " else line[5:]
+                    self._data_bytes += len(value)
+                    if self._data_bytes > self.max_event_bytes:
+                        raise SseError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
+                    self._data.append(value.decode("utf-8"))
+                elif not line:
+                    if self._data or self._event:
+                        data = self._data
+                        events.append(
+                            SseEvent(self._event, data[0] if len(data) == 1 else "\n".join(data))
+                        )
+                        self._data, self._data_bytes, self._event = [], 0, ""
+                elif line == b"data":  # a field without a colon has an empty value
+                    self._data.append("")
+                elif line[:1] != b":":
+                    name, _, value = line.partition(b":")
+                    if name == b"event":
+                        self._event = (value[1:] if value[:1] == b" " else value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise SseError("a server-sent event is not UTF-8") from None
         return events
-
-
-def _utf8(value: bytes | bytearray) -> str:
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SseError("a server-sent event is not UTF-8") from None

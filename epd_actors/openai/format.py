@@ -42,7 +42,7 @@ from ..protocol import merge_delta_fields
 from .engine_text import EngineText
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from ..protocol import TokenLogprob, Usage
     from ..request import DeltaEvent
@@ -71,13 +71,21 @@ MIN_LOGPROB: Final = -9999.0
 """The lowest logprob written (vLLM's floor: JSON has no ``-Infinity``)."""
 
 
-def _dumps(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+compact_json: Final[Callable[[object], str]] = json.JSONEncoder(
+    separators=(",", ":"), ensure_ascii=False
+).encode
+"""JSON without spaces, non-ASCII as it is: an SSE chunk's body, a WebSocket text message,
+a JSON answer.  One encoder serves every call (``json.dumps`` with arguments builds one
+per call)."""
+
+_json_string: Final[Callable[[str], str]] = json.encoder.encode_basestring
+"""A ``str`` as a JSON string literal, as ``compact_json`` writes it (the standard library's C
+function, called directly: a token's text is rendered this way once per event)."""
 
 
 def _text_json(text: str) -> str:
     """``text`` as a JSON string: the engine's own literal when it came with one."""
-    return text.json if type(text) is EngineText else _dumps(text)
+    return text.json if type(text) is EngineText else _json_string(text)
 
 
 def unix_time() -> int:
@@ -271,8 +279,8 @@ class SseFormatter:
         self._logprobs = logprobs
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self._head = (
-            f'{DATA_PREFIX}{{"id":{_dumps(response_id(kind, request_id))},"object":"{obj}",'
-            f'"created":{int(created)},"model":{_dumps(model)},'
+            f'{DATA_PREFIX}{{"id":{compact_json(response_id(kind, request_id))},"object":"{obj}",'
+            f'"created":{int(created)},"model":{compact_json(model)},'
         )
         opener = '"delta":{"content":' if kind == "chat" else '"text":'
         closer = "}" if kind == "chat" else ""
@@ -317,7 +325,7 @@ class SseFormatter:
             text = event.text
             if type(text) is EngineText:
                 return self._prefix + text.json + self._suffix
-            return self._prefix + _dumps(text) + self._suffix
+            return self._prefix + _json_string(text) + self._suffix
         return self.delta(
             event.text,
             event.token_ids,
@@ -343,7 +351,7 @@ class SseFormatter:
 
     def usage(self, usage: Usage) -> str:
         """The ``include_usage`` chunk: no choices, only ``usage``."""
-        return f'{self._head}"choices":[],"usage":{_dumps(usage_body(usage))}}}{EVENT_END}'
+        return f'{self._head}"choices":[],"usage":{compact_json(usage_body(usage))}}}{EVENT_END}'
 
     @staticmethod
     def comment(text: str) -> str:
@@ -353,7 +361,7 @@ class SseFormatter:
     @staticmethod
     def error(body: dict[str, dict[str, str | None]]) -> str:
         """An ``error`` event carrying an OpenAI error body; ends a failed stream."""
-        return encode_event(_dumps(body), "error")
+        return encode_event(compact_json(body), "error")
 
     @staticmethod
     def done() -> str:
@@ -364,7 +372,7 @@ class SseFormatter:
         self, content: dict[str, object], *, logprobs: object, finish_reason: str | None
     ) -> str:
         choice = {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
-        return f'{self._head}"choices":[{_dumps(choice)}]}}{EVENT_END}'
+        return f'{self._head}"choices":[{compact_json(choice)}]}}{EVENT_END}'
 
 
 class AnswerBuilder:

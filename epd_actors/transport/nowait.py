@@ -26,8 +26,12 @@ from __future__ import annotations
 import errno
 import os
 from abc import abstractmethod
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class NowaitSendStream(trio.abc.HalfCloseableStream):
@@ -53,10 +57,23 @@ def send_some_nowait(stream: trio.abc.Stream, data: bytes) -> int:
     Raises:
         trio.BrokenResourceError: the peer reset or closed the connection.
     """
+    return _nowait_write(stream)(stream, data)
+
+
+def _nowait_write(stream: trio.abc.Stream) -> Callable[[Any, bytes], int]:
+    """How :func:`send_some_nowait` writes to ``stream`` (chosen once per stream by a writer)."""
     if isinstance(stream, trio.SocketStream):
-        return _socket_write(stream, data)
+        return _socket_write
     if isinstance(stream, NowaitSendStream):
-        return stream.send_some_nowait(data)
+        return _own_write
+    return _takes_nothing
+
+
+def _own_write(stream: NowaitSendStream, data: bytes) -> int:
+    return stream.send_some_nowait(data)
+
+
+def _takes_nothing(stream: trio.abc.Stream, data: bytes) -> int:
     return 0
 
 
@@ -83,11 +100,12 @@ class NowaitWriter:
     on its own would slip between the pieces of that write.
     """
 
-    __slots__ = ("_busy", "stream")
+    __slots__ = ("_busy", "_write", "stream")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self._busy = False
+        self._write = _nowait_write(stream)
 
     @property
     def busy(self) -> bool:
@@ -103,7 +121,7 @@ class NowaitWriter:
         """
         if self._busy:
             raise trio.BusyResourceError("another task is writing to this stream")
-        return send_some_nowait(self.stream, data)
+        return self._write(self.stream, data)
 
     async def send_all(self, data: bytes) -> None:
         """The stream's ``send_all``, marked busy meanwhile.

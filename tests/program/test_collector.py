@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -13,6 +11,10 @@ from epd_actors.errors import ConfigError
 from epd_actors.program import cli
 from epd_actors.program.collector import DEFAULT_YOUNG_THRESHOLD, tune_collector
 from epd_actors.program.config_file import parse_config
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 POOLS = {"pools": {"pd": {"workers": [{"id": "pd0", "address": "tcp://127.0.0.1:9000"}]}}}
 
@@ -76,4 +78,4 @@ def test_serve_sets_it_up_before_the_event_loop(
     seen: list[tuple[int, int, int]] = []
     monkeypatch.setattr(cli.trio, "run", lambda *args: seen.append(gc.get_threshold()))
     assert cli.main(["serve", "--config", str(config)]) == 0
-    assert seen and seen[0][0] == 23456
+    assert [thresholds[0] for thresholds in seen] == [23456]

@@ -45,7 +45,7 @@ import base64
 import json
 import json.scanner
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from ...errors import InvalidRequest
 from ...http.sse import DONE_DATA, SseError, SseEvent
@@ -642,15 +642,23 @@ class DeltaParser:
         if literals:
             text = EngineText(text)
             text.json = literals[0] if len(literals) == 1 else joined_literal(literals)
+        logprobs = tokens = tops = None  # per-token arrays: only with token ids
+        if with_ids:
+            if self._logprobs is not None:
+                logprobs = tuple(self._logprobs)
+            if self._tokens is not None:
+                tokens = tuple(self._tokens)
+            if self._tops is not None:
+                tops = tuple(self._tops)
         delta = Delta(
             self.request_id,
             token_ids=tuple(self._token_ids),
             text=text,
-            logprobs=_per_token_tuple(self._logprobs, with_ids),
+            logprobs=logprobs,
             finish_reason=self._finish if terminal else None,
             usage=self._usage if terminal else None,
-            tokens=_per_token_tuple(self._tokens, with_ids),
-            top_logprobs=_per_token_tuple(self._tops, with_ids),
+            tokens=tokens,
+            top_logprobs=tops,
             fields=self._fields,
         )
         self._text, self._token_ids, self._fields = [], [], None
@@ -664,10 +672,6 @@ _OWN_DELTA_KEYS: Final = frozenset({"role", "content"})
 """Chat-delta keys the parser reads itself; every other key is a ``field``."""
 
 _ChunkEntries = tuple[list[float], list[str] | None, list[tuple[TokenLogprob, ...]] | None]
-
-
-def _per_token_tuple(values: list[Any] | None, with_ids: bool) -> tuple[Any, ...] | None:
-    return tuple(values) if values is not None and with_ids else None
 
 
 def _chunk_entries(value: object, *, chat: bool) -> _ChunkEntries | None:
