@@ -104,7 +104,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--thresholds", default="0,50000", help="gc_young_threshold values (0: Python's own)"
+        "--thresholds", default="0,20000", help="gc_young_threshold values (0: Python's own)"
     )
     add_pacing_arguments(parser)
     args = parser.parse_args()

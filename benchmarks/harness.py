@@ -45,10 +45,40 @@ FAST_SIM = ("--sim-output-token-s", "0", "--sim-tokens-per-delta", "16")
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    return sum(cpu_times(pid))
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
     with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
         fields = handle.read().rsplit(")", 1)[1].split()
     # fields[0] is the state (field 3 of stat(5)); utime and stime are fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+
+
+def tree_cpu_times(pid: int) -> tuple[float, float]:
+    """:func:`cpu_times` of ``pid`` and of every live descendant of it, summed (``serve
+    --processes N``: the parent and its router processes)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii") as handle:
+                    parents[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                continue  # exited meanwhile
+    tree, frontier = [pid], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        tree += children
+        frontier = children
+    user = system = 0.0
+    for member in tree:
+        with contextlib.suppress(OSError):
+            member_user, member_system = cpu_times(member)
+            user += member_user
+            system += member_system
+    return user, system
 
 
 def taskset_prefix(cores: str | None) -> list[str]:
@@ -130,6 +160,8 @@ class Scenario:
     # Another checkout of the project to run the workers and router from (an
     # A/B baseline): put first on PYTHONPATH and used as the working directory.
     source: str | None = None
+    # More lines of our router's ``[server]`` table for this scenario (e.g. ``processes = 2``).
+    server_lines: tuple[str, ...] = ()
 
     @property
     def router_pid(self) -> int | None:
@@ -236,7 +268,10 @@ def start_scenario(
         return
     config = workdir / f"{scenario.name}.toml"
     config.write_text(
-        router_toml(endpoints, backend=scenario.kind, server_lines=server_lines), encoding="utf-8"
+        router_toml(
+            endpoints, backend=scenario.kind, server_lines=(*server_lines, *scenario.server_lines)
+        ),
+        encoding="utf-8",
     )
     argv = router_argv(config, cores=router_cores, wrapper=router_wrapper, python=router_python)
     router = Process(argv, env=env, pattern=ROUTER_ANNOUNCE, cwd=scenario.source)

@@ -72,8 +72,8 @@ def report(folded: Path, top: int) -> None:
     total = 0
     for line in folded.read_text(encoding="utf-8").splitlines():
         stack, _, count_text = line.rpartition(" ")
-        if not stack:
-            continue
+        if not stack or not count_text.isdigit():
+            continue  # not a sample line (py-spy may still be finishing the file)
         count = int(count_text)
         frames = [f.split(" (", 1)[0] + " " + _where(f) for f in stack.split(";")]
         total += count

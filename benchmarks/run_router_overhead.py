@@ -74,12 +74,12 @@ from harness import (
     FAST_SIM,
     Scenario,
     check_handoffs,
-    cpu_seconds,
     median,
     run_bench,
     scrape_stage_metrics,
     stage_means,
     start_scenario,
+    tree_cpu_times,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -206,6 +206,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--baseline-scenarios also runs from it, as '<scenario>@base', interleaved",
     )
     parser.add_argument("--baseline-scenarios", default="", help="comma-separated")
+    parser.add_argument(
+        "--router-processes",
+        type=int,
+        default=2,
+        help="with --processes-scenarios: how many router processes those variants run",
+    )
+    parser.add_argument(
+        "--processes-scenarios",
+        default="",
+        help="comma-separated: each also runs as '<scenario>@<N>proc', our router with "
+        "[server] processes = --router-processes (its CPU: the parent and every process)",
+    )
     parser.add_argument("--out-dir", default=str(RESULTS), help="default benchmarks/results")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument(
@@ -227,11 +239,13 @@ _HANDOFF_SEQ: dict[str, dict[str, int]] = {}
 def measure(scenario: Scenario, concurrency: int, args: argparse.Namespace, out: Path) -> dict:
     requests = max(args.requests, concurrency * args.requests_per_client)
     router_pid = scenario.router_pid
-    metrics_url = scenario.url if scenario.kind in ("native", "openai_http") else None
+    # One process's /metrics is not the router's when it runs several.
+    ours = scenario.kind in ("native", "openai_http") and not scenario.server_lines
+    metrics_url = scenario.url if ours else None
     before = scrape_stage_metrics(metrics_url) if metrics_url else {}
     seen = _HANDOFF_SEQ.setdefault(scenario.name, {})
     check_handoffs(scenario, after_seq=seen)  # skip what came before this measurement
-    cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
+    times0 = tree_cpu_times(router_pid) if router_pid else (0.0, 0.0)
     document = run_bench(
         scenario.url,
         concurrency=concurrency,
@@ -241,12 +255,13 @@ def measure(scenario: Scenario, concurrency: int, args: argparse.Namespace, out:
         out=out,
         extra=("--records",),
     )
-    cpu1 = cpu_seconds(router_pid) if router_pid else 0.0
+    times1 = tree_cpu_times(router_pid) if router_pid else (0.0, 0.0)
     after = scrape_stage_metrics(metrics_url) if metrics_url else {}
     handoffs = check_handoffs(scenario, after_seq=seen)
     summary = document["summary"]
     completed = summary["completed"]
-    router_cpu = cpu1 - cpu0
+    router_user, router_system = times1[0] - times0[0], times1[1] - times0[1]
+    router_cpu = router_user + router_system
     served = [r for r in document.get("records", []) if r.get("error") is None]
     return {
         "scenario": scenario.name,
@@ -266,6 +281,12 @@ def measure(scenario: Scenario, concurrency: int, args: argparse.Namespace, out:
         "router_cpu_s": router_cpu if router_pid else None,
         "router_cpu_ms_per_req": (
             router_cpu / completed * 1000 if router_pid and completed else None
+        ),
+        "router_user_ms_per_req": (
+            router_user / completed * 1000 if router_pid and completed else None
+        ),
+        "router_system_ms_per_req": (
+            router_system / completed * 1000 if router_pid and completed else None
         ),
         "router_cpu_util": router_cpu / summary["duration_s"] if router_pid else None,
         "bench_cpu_util": summary["client_cpu_util"],
@@ -313,6 +334,8 @@ KEYS = (
     "e2e_p99_ms",
     "itl_p50_ms",
     "router_cpu_ms_per_req",
+    "router_user_ms_per_req",
+    "router_system_ms_per_req",
     "router_cpu_util",
     "bench_cpu_util",
     "bench_cpu_ms_per_req",
@@ -324,18 +347,21 @@ def markdown_table(table: list[dict], standard: int) -> str:
     direct = {e["concurrency"]: e["req_per_s"] for e in table if e["scenario"] == "direct"}
     lines = [
         "| scenario | conc | req/s | vs direct | tokens/s | TTFT p50 ms | TTFT p99 ms "
-        "| e2e p50 ms | router CPU ms/req | SSE events/req | router CPU util | bench CPU util "
-        "| errors |",
+        "| e2e p50 ms | router CPU ms/req (user + system) | SSE events/req | router CPU util "
+        "| bench CPU util | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in sorted(table, key=lambda e: (e["scenario"], e["concurrency"])):
         base = direct.get(e["concurrency"])
         ratio = f"{e['req_per_s'] / base:.2f}" if base else "-"
         mark = " *" if e["concurrency"] == standard else ""
+        split = f"{_f(e.get('router_user_ms_per_req'), 2)} + "
+        split += _f(e.get("router_system_ms_per_req"), 2)
         lines.append(
             f"| {e['scenario']} | {e['concurrency']}{mark} | {_f(e['req_per_s'], 0)} | {ratio} "
             f"| {_f(e['tokens_per_s'], 0)} | {_f(e['ttft_p50_ms'], 1)} | {_f(e['ttft_p99_ms'], 1)} "
             f"| {_f(e['e2e_p50_ms'], 1)} | {_f(e['router_cpu_ms_per_req'], 2)} "
+            f"({split}) "
             f"| {_f(e.get('sse_events_per_req'), 1)} | {_f(e['router_cpu_util'], 2)} "
             f"| {_f(e['bench_cpu_util'], 2)} | {e['errors']} |"
         )
@@ -461,6 +487,15 @@ def main(argv: list[str] | None = None) -> int:
             base.name, base.source = f"{name}@base", source
             base.description += f" (from {checkout_name(source)})"
             chosen.append(base)
+    processes = args.router_processes
+    for name in filter(None, args.processes_scenarios.split(",")):
+        variant = scenarios(args.token_s, step_clock=args.step_clock)[name]
+        if variant.kind not in ("native", "openai_http"):
+            raise SystemExit(f"--processes-scenarios: {name} is not a scenario of this router")
+        variant.name = f"{name}@{processes}proc"
+        variant.description += f" (serve --processes {processes})"
+        variant.server_lines = (f"processes = {processes}",)
+        chosen.append(variant)
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
     results = Path(args.out_dir)
     results.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,10 @@ allocations, which under a few hundred streams is several times a second,
 and every survivor is traversed again in the older generations, up to a
 full collection that walks every object of the process -- the modules,
 classes and configuration loaded at start included.  Measured on the P+D
-step-clock load at 256 streams (``docs/benchmarks.md``, "The garbage
-collector"), that cost about a fifth of the router's user CPU and paused
-it for up to 218 ms.
+step-clock load at 256 streams (``benchmarks/gc_cost.py``; ``docs/benchmarks.md``,
+"The garbage collector, and fewer calls per token"), that was about 1.3 ms
+of collector time per request, a tenth of the router's CPU, with pauses of
+up to 166 ms; with the default below, 0.06 ms and 23 ms.
 
 :func:`tune_collector` does two things, once, just before the event loop
 starts:
@@ -31,7 +32,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-DEFAULT_YOUNG_THRESHOLD = 50_000
+DEFAULT_YOUNG_THRESHOLD = 20_000
 """``[server] gc_young_threshold``'s default (Python's own is 700)."""
 
 

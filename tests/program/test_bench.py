@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import signal
 import struct
 import subprocess
 import sys
@@ -272,6 +274,49 @@ def test_the_http_pd_scenario_hands_p_kv_params_to_d(tmp_path: Path) -> None:
     for row in rows.values():
         assert row["errors"] == 0
         assert row["handoffs"] == {"requests": 10, "with_handle": 10, "ok": 10}
+
+
+@pytest.mark.processes
+def test_a_processes_variant_counts_every_router_process(tmp_path: Path) -> None:
+    script = ROOT / "benchmarks" / "run_router_overhead.py"
+    argv = [sys.executable, str(script), "--name", "smoke", "--out-dir", str(tmp_path)]
+    argv += ["--scenarios", "native-pd", "--concurrency", "2", "--rounds", "1"]
+    argv += ["--requests", "10", "--requests-per-client", "1", "--warmup", "2", "--no-plots"]
+    argv += ["--processes-scenarios", "native-pd", "--router-processes", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=90, check=False)
+    assert done.returncode == 0, done.stderr
+    document = json.loads((tmp_path / "smoke.json").read_text())
+    rows = {row["scenario"]: row for row in document["medians"]}
+    assert sorted(rows) == ["native-pd", "native-pd@2proc"]
+    assert "serve --processes 2" in document["settings"]["scenarios"]["native-pd@2proc"]
+    for row in rows.values():
+        assert row["errors"] == 0
+        split = row["router_user_ms_per_req"] + row["router_system_ms_per_req"]
+        assert split == pytest.approx(row["router_cpu_ms_per_req"])
+
+
+@pytest.mark.processes
+def test_a_process_tree_s_cpu_includes_its_descendants() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from harness import cpu_times, tree_cpu_times
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    burn = (
+        "import sys, time\n"
+        "while time.process_time() < 0.3: pass\n"
+        "print('burnt', flush=True); time.sleep(30)"
+    )
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"
+    argv = [sys.executable, "-c", parent]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True) as tree:
+        try:
+            assert tree.stdout is not None
+            assert tree.stdout.readline() == "burnt\n"  # the grandchild's CPU is spent
+            assert sum(cpu_times(tree.pid)) < 0.25
+            assert sum(tree_cpu_times(tree.pid)) >= 0.3
+        finally:
+            os.killpg(tree.pid, signal.SIGKILL)  # the grandchild too
 
 
 def test_vllm_router_gets_p_and_d_in_its_pd_mode() -> None:
