@@ -66,24 +66,21 @@ def measure(args: argparse.Namespace, threshold: int, workdir: Path) -> dict[str
         start_scenario(scenario, stack, workdir, router_python=python, server_lines=lines)
         assert scenario.router is not None
         pid = scenario.router.popen.pid
-        run_bench(
-            scenario.url,
-            concurrency=args.concurrency,
-            requests=args.warmup,
-            max_tokens=MAX_TOKENS,
-            cores=None,
-            out=workdir / "warmup.json",
-        )
+
+        def load(requests: int, name: str) -> dict[str, object]:
+            return run_bench(
+                scenario.url,
+                concurrency=args.concurrency,
+                requests=requests,
+                max_tokens=MAX_TOKENS,
+                cores=None,
+                out=workdir / name,
+            )
+
+        load(args.warmup, "warmup.json")
         # time.monotonic: the clock the router's watcher reads too (a plain script, no event loop).
         began, cpu = time.monotonic(), cpu_seconds(pid)  # noqa: TID251
-        document = run_bench(
-            scenario.url,
-            concurrency=args.concurrency,
-            requests=args.requests,
-            max_tokens=MAX_TOKENS,
-            cores=None,
-            out=workdir / "bench.json",
-        )
+        document = load(args.requests, "bench.json")
         cpu, ended = cpu_seconds(pid) - cpu, time.monotonic()  # noqa: TID251
     summary = document["summary"]
     assert isinstance(summary, dict)

@@ -17,7 +17,7 @@ import sys
 import zlib
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -234,6 +234,18 @@ async def test_open_loop_and_non_streaming_in_process() -> None:
 
 
 @pytest.mark.processes
+def smoke_run(tmp_path: Path, scenario: str, *extra: str, timeout: float = 90) -> dict[str, Any]:
+    """``run_router_overhead.py`` on a tiny load of ``scenario`` (2 streams, 10 requests)."""
+    script = ROOT / "benchmarks" / "run_router_overhead.py"
+    argv = [sys.executable, str(script), "--name", "smoke", "--out-dir", str(tmp_path)]
+    argv += ["--scenarios", scenario, "--concurrency", "2", "--rounds", "1", *extra]
+    argv += ["--requests", "10", "--requests-per-client", "1", "--warmup", "2", "--no-plots"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, done.stderr
+    document: dict[str, Any] = json.loads((tmp_path / "smoke.json").read_text())
+    return document
+
+
 @pytest.mark.parametrize(
     ("paced", "simulator"),
     [
@@ -244,13 +256,7 @@ async def test_open_loop_and_non_streaming_in_process() -> None:
 def test_one_benchmark_scenario_on_a_tiny_load(
     tmp_path: Path, paced: tuple[str, ...], simulator: str
 ) -> None:
-    script = ROOT / "benchmarks" / "run_router_overhead.py"
-    argv = [sys.executable, str(script), "--name", "smoke", "--out-dir", str(tmp_path)]
-    argv += ["--scenarios", "native-pd", "--concurrency", "2", "--rounds", "1", *paced]
-    argv += ["--requests", "10", "--requests-per-client", "1", "--warmup", "2", "--no-plots"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    document = json.loads((tmp_path / "smoke.json").read_text())
+    document = smoke_run(tmp_path, "native-pd", *paced, timeout=60)
     assert document["settings"]["simulator"] == simulator
     (row,) = document["medians"]
     assert row["scenario"] == "native-pd"
@@ -260,15 +266,9 @@ def test_one_benchmark_scenario_on_a_tiny_load(
 
 @pytest.mark.processes
 def test_the_http_pd_scenario_hands_p_kv_params_to_d(tmp_path: Path) -> None:
-    script = ROOT / "benchmarks" / "run_router_overhead.py"
-    argv = [sys.executable, str(script), "--name", "smoke", "--out-dir", str(tmp_path)]
-    argv += ["--scenarios", "http-pd", "--concurrency", "2", "--rounds", "1"]
-    argv += ["--requests", "10", "--requests-per-client", "1", "--warmup", "2", "--no-plots"]
     # The same checkout as its own baseline: the A/B machinery, not a comparison.
-    argv += ["--baseline", str(ROOT), "--baseline-scenarios", "http-pd"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=90, check=False)
-    assert done.returncode == 0, done.stderr
-    document = json.loads((tmp_path / "smoke.json").read_text())
+    baseline = ("--baseline", str(ROOT), "--baseline-scenarios", "http-pd")
+    document = smoke_run(tmp_path, "http-pd", *baseline)
     rows = {row["scenario"]: row for row in document["medians"]}
     assert sorted(rows) == ["http-pd", "http-pd@base"]
     for row in rows.values():
@@ -278,14 +278,8 @@ def test_the_http_pd_scenario_hands_p_kv_params_to_d(tmp_path: Path) -> None:
 
 @pytest.mark.processes
 def test_a_processes_variant_counts_every_router_process(tmp_path: Path) -> None:
-    script = ROOT / "benchmarks" / "run_router_overhead.py"
-    argv = [sys.executable, str(script), "--name", "smoke", "--out-dir", str(tmp_path)]
-    argv += ["--scenarios", "native-pd", "--concurrency", "2", "--rounds", "1"]
-    argv += ["--requests", "10", "--requests-per-client", "1", "--warmup", "2", "--no-plots"]
-    argv += ["--processes-scenarios", "native-pd", "--router-processes", "2"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=90, check=False)
-    assert done.returncode == 0, done.stderr
-    document = json.loads((tmp_path / "smoke.json").read_text())
+    variant = ("--processes-scenarios", "native-pd", "--router-processes", "2")
+    document = smoke_run(tmp_path, "native-pd", *variant)
     rows = {row["scenario"]: row for row in document["medians"]}
     assert sorted(rows) == ["native-pd", "native-pd@2proc"]
     assert "serve --processes 2" in document["settings"]["scenarios"]["native-pd@2proc"]
