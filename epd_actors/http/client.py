@@ -113,7 +113,7 @@ class ClientLimits:
     write_timeout_s: float = 30.0
     pool_timeout_s: float = 10.0
     max_connections: int = 512
-    max_keepalive_connections: int = 128
+    max_keepalive_connections: int = 512
     keepalive_expiry_s: float = 4.0
     max_header_bytes: int = 64 * 1024
 

@@ -63,7 +63,10 @@ class OpenAIHttpSettings:
         pool_timeout_s: waiting for a free connection of the pool (seconds).
         max_connections: connections to one worker at once (connections);
             ``max_in_flight_per_worker`` of the pool should not exceed it.
-        max_keepalive_connections: idle connections kept for reuse.
+        max_keepalive_connections: idle connections kept for reuse; as many
+            as ``max_connections`` by default, so a burst of streams ending
+            together does not close connections the next burst opens again
+            (``keepalive_expiry_s`` still closes those left unused).
         keepalive_expiry_s: an idle connection older than this is closed
             (seconds).  Below vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s by
             default), so the router never reuses a connection the server is
@@ -105,7 +108,7 @@ class OpenAIHttpSettings:
     write_timeout_s: float = 30.0
     pool_timeout_s: float = 10.0
     max_connections: int = 512
-    max_keepalive_connections: int = 128
+    max_keepalive_connections: int = 512
     keepalive_expiry_s: float = 4.0
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
