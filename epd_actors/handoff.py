@@ -147,13 +147,9 @@ class HandoffSender(_End[T]):
             trio.BrokenResourceError: the receiver closed its end.
             trio.ClosedResourceError: this end was closed.
         """
-        shared = self._shared
-        if shared.direct:  # _hand_over, inline: this runs once per token
-            assert shared.taker is not None
-            if shared.taker(item):
-                return
-            shared.direct = False
-        shared.send.send_nowait(item)
+        if self._shared.direct and self._hand_over(item):
+            return
+        self._shared.send.send_nowait(item)
 
     def offer(self, item: T) -> bool:
         """:meth:`send_nowait`, False instead of ``trio.WouldBlock`` (the others still raise)."""

@@ -527,13 +527,13 @@ class Response:
         if conn is None or not hub.running or type(conn.stream) is not trio.SocketStream:
             return False
         seconds = self._client.limits.read_timeout_s
-        self._read_at = trio.current_time()
+        self._read_at = self._now()
         self._hub = hub
         try:
             while True:
                 with trio.move_on_at(self._read_at + seconds):
                     return await hub.serve(conn.socket, handle)
-                if trio.current_time() - self._read_at >= seconds:
+                if self._now() - self._read_at >= seconds:
                     raise RequestTimeout("reading the response", seconds)
         finally:
             self._hub = None
