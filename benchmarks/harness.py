@@ -380,6 +380,8 @@ PEER_COMMANDS: dict[str, Callable[[PeerPrograms, int, list[tuple[str, str, str]]
     "vllm-router-pd": functools.partial(_vllm_router_command, pd=True),
     "epd-proxy": _epd_proxy_command,
 }
+# Scenario kinds that run this project's router (``serve --config``), over either backend.
+ROUTER_KINDS = ("native", "openai_http")
 # Scenario kinds whose workers serve vLLM's OpenAI HTTP API (``worker --serve-openai``).
 HTTP_KINDS = ("openai_http", "direct", *PEER_COMMANDS)
 

@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (
     FAST_SIM,
+    ROUTER_KINDS,
     Scenario,
     check_handoffs,
     median,
@@ -240,7 +241,7 @@ def measure(scenario: Scenario, concurrency: int, args: argparse.Namespace, out:
     requests = max(args.requests, concurrency * args.requests_per_client)
     router_pid = scenario.router_pid
     # One process's /metrics is not the router's when it runs several.
-    ours = scenario.kind in ("native", "openai_http") and not scenario.server_lines
+    ours = scenario.kind in ROUTER_KINDS and not scenario.server_lines
     metrics_url = scenario.url if ours else None
     before = scrape_stage_metrics(metrics_url) if metrics_url else {}
     seen = _HANDOFF_SEQ.setdefault(scenario.name, {})
@@ -490,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     processes = args.router_processes
     for name in filter(None, args.processes_scenarios.split(",")):
         variant = scenarios(args.token_s, step_clock=args.step_clock)[name]
-        if variant.kind not in ("native", "openai_http"):
+        if variant.kind not in ROUTER_KINDS:
             raise SystemExit(f"--processes-scenarios: {name} is not a scenario of this router")
         variant.name = f"{name}@{processes}proc"
         variant.description += f" (serve --processes {processes})"

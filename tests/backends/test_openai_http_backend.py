@@ -64,6 +64,7 @@ from epd_actors.http.sse import SseDecoder, SseEvent
 from epd_actors.openai.fields import FieldPolicy
 from epd_actors.openai.media import MediaLimits
 from epd_actors.openai.schema import parse_chat_completion
+from epd_actors.program.config_file import parse_config
 from epd_actors.protocol import (
     ChatMessage,
     EncodeRequest,
@@ -1004,3 +1005,15 @@ def test_a_vllm_refusal_keeps_the_field_it_blames() -> None:
     assert answer is not None
     assert answer.status == 400
     assert answer.body["error"]["param"] == "max_tokens"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("name", ["relay_engine_text", "shared_stream_reader"])
+def test_a_boolean_setting_of_the_openai_http_table(name: str) -> None:
+    """On by default, off when the file says false, a config error when not a boolean."""
+    worker = {"id": "pd0", "address": "http://127.0.0.1:9000", "backend": "openai_http"}
+    pool = {"pools": {"pd": {"workers": [worker]}}}
+    assert getattr(parse_config(dict(pool), environ={}).router.openai_http, name)
+    off = parse_config({**pool, "openai_http": {name: False}}, environ={})
+    assert not getattr(off.router.openai_http, name)
+    with pytest.raises(ConfigError, match=name):
+        parse_config({**pool, "openai_http": {name: "yes"}}, environ={})

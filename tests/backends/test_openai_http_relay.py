@@ -16,12 +16,10 @@ import trio
 from epd_actors.backends.openai_http.contract import DeltaParser, ReplyError, StreamFailed
 from epd_actors.backends.openai_http.relay import ChunkScanner
 from epd_actors.core.output_relay import OutputRelay, delta_event
-from epd_actors.errors import ConfigError
 from epd_actors.handoff import open_handoff
 from epd_actors.http.sse import SseDecoder
 from epd_actors.openai.engine_text import EngineText, joined_literal
 from epd_actors.openai.format import SseFormatter
-from epd_actors.program.config_file import parse_config
 from epd_actors.protocol import Delta, Usage
 from epd_actors.request import DeltaEvent, GenerationEvent
 
@@ -327,16 +325,3 @@ async def test_a_relayed_delta_counts_tokens_and_marks_the_output_started() -> N
     assert type(event.text) is EngineText
     formatter = SseFormatter("chat", request_id="q", model="m", created=1)
     assert formatter.event(event) == formatter.delta(" a b")
-
-
-# ---------------------------------------------------------------- the setting
-
-
-def test_the_setting_is_on_by_default_and_read_from_the_config_file() -> None:
-    worker = {"id": "pd0", "address": "http://127.0.0.1:9000", "backend": "openai_http"}
-    pool = {"pools": {"pd": {"workers": [worker]}}}
-    assert parse_config(dict(pool), environ={}).router.openai_http.relay_engine_text
-    off = parse_config({**pool, "openai_http": {"relay_engine_text": False}}, environ={})
-    assert not off.router.openai_http.relay_engine_text
-    with pytest.raises(ConfigError, match="relay_engine_text"):
-        parse_config({**pool, "openai_http": {"relay_engine_text": "yes"}}, environ={})

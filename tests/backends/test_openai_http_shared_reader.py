@@ -19,8 +19,7 @@ import trio
 
 from epd_actors.backends.openai_http.backend import OpenAIHttpBackendFactory
 from epd_actors.backends.openai_http.settings import OpenAIHttpSettings
-from epd_actors.errors import ConfigError, RemoteWorkerError, WorkerDisconnected
-from epd_actors.program.config_file import parse_config
+from epd_actors.errors import RemoteWorkerError, WorkerDisconnected
 from epd_actors.protocol import Delta, GenerateRequest, Prompt, SamplingParams
 from epd_actors.simulator.engine import SimConfig
 from epd_actors.transport.read_hub import ReadHub
@@ -213,13 +212,3 @@ async def test_with_the_setting_off_the_reader_reads_its_own_socket() -> None:
     assert by(seen, "sink") == []
     assert seen[-1][1].finish_reason == "length"
     assert len(seen) >= 8
-
-
-def test_the_setting_is_a_boolean_of_the_openai_http_table() -> None:
-    worker = {"id": "pd0", "address": "http://127.0.0.1:9000", "backend": "openai_http"}
-    pool = {"pools": {"pd": {"workers": [worker]}}}
-    assert parse_config(dict(pool), environ={}).router.openai_http.shared_stream_reader
-    off = parse_config({**pool, "openai_http": {"shared_stream_reader": False}}, environ={})
-    assert not off.router.openai_http.shared_stream_reader
-    with pytest.raises(ConfigError, match="shared_stream_reader"):
-        parse_config({**pool, "openai_http": {"shared_stream_reader": "yes"}}, environ={})
