@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Final
 
 from .errors import InvalidRequest
 from .protocol import MediaItem, Prompt, SamplingParams, TokenLogprob, Usage
+from .records import token_record
 
 if TYPE_CHECKING:
     from .errors import EpdError
@@ -141,7 +142,7 @@ class RequestTimings:
         return " ".join(pairs) or "-"
 
 
-@dataclass(frozen=True, slots=True)
+@token_record
 class DeltaEvent:
     """New output: text and its token ids, as the engine's ``Delta`` gave them.
 

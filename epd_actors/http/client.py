@@ -644,16 +644,24 @@ class Response:
 
         ``_chunk_left`` is the state: > 0 data bytes of the current chunk still
         to come, -1 a chunk-size line, -2 the CRLF after a chunk's data, -3
-        the trailer section (lines up to a blank one).
+        the trailer section (lines up to a blank one).  A buffer that is
+        exactly one whole chunk (a paced stream's read: one event in one
+        chunk) is taken without the loop.
         """
         buffer = conn.buffer
         if not buffer:
             return b""
         data = bytes(buffer)  # one copy; slicing and searching bytes is cheapest
         size = len(data)
+        left = self._chunk_left
+        if left == -1 and data[-2:] == b"\r\n":
+            end = data.find(b"\r\n")
+            match = _CHUNK_SIZE.match(data, 0, end)
+            if match is not None and end + 4 + int(match.group(1), 16) == size > end + 4:
+                buffer.clear()
+                return data[end + 2 : -2]
         out: list[bytes] = []
         pos = 0
-        left = self._chunk_left
         while pos < size:
             if left > 0:
                 end = min(size, pos + left)

@@ -19,8 +19,9 @@ formatting (``openai/format.py``) and the stream rendering built on it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Final
+
+from ..records import token_record
 
 __all__ = [
     "DATA_PREFIX",
@@ -70,7 +71,7 @@ class SseError(ValueError):
     """Bytes that are not a bounded, UTF-8 event stream."""
 
 
-@dataclass(frozen=True, slots=True)
+@token_record
 class SseEvent:
     """One server-sent event: its ``event:`` name (empty for messages) and ``data``."""
 
@@ -101,12 +102,29 @@ class SseDecoder:
     def feed(self, chunk: bytes) -> list[SseEvent]:
         """The events completed by ``chunk``.
 
-        The complete lines are split in one call; a ``data`` line, nearly
-        every line of a stream, is handled inline.
+        A chunk that is exactly one ``data: ...`` event, with nothing pending
+        before it (a paced stream's read: one token, one event), is taken
+        whole; otherwise the complete lines are split in one call, and a
+        ``data`` line, nearly every line of a stream, is handled inline.
 
         Raises:
             SseError: a line or an event over the limit, or bytes that are not UTF-8.
         """
+        if (
+            chunk[:6] == b"data: "
+            and chunk[-2:] == b"\n\n"
+            and chunk.count(b"\n") == 2
+            and chunk[-3:-2] != b"\r"
+            and not self._buffer
+            and not self._data
+            and not self._event
+        ):
+            if len(chunk) - 8 > self.max_event_bytes:
+                raise SseError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
+            try:
+                return [SseEvent("", chunk[6:-2].decode("utf-8"))]
+            except UnicodeDecodeError:
+                raise SseError("a server-sent event is not UTF-8") from None
         buffer = self._buffer
         buffer += chunk
         cut = buffer.rfind(b"\n") + 1

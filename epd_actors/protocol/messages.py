@@ -14,7 +14,9 @@ a :class:`StageResult` (encode, prefill), an :class:`ErrorReply`, or
 for that id.  :class:`Release` is answered by :class:`Released`; :class:`Ping` by
 :class:`Pong`, out of band of any request data.
 
-Every class is a frozen, slotted dataclass; the ``TAG`` class attribute is the
+Every class is a frozen, slotted dataclass (:class:`Delta`, built once per
+token, a :func:`~epd_actors.records.token_record`: frozen to the type
+checker, plain slots at run time); the ``TAG`` class attribute is the
 value of the ``type`` key on the wire.  ``docs/protocol.md`` is the normative
 description of these fields for implementers in other languages.
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 from ..errors import LocalProtocolError
+from ..records import token_record
 from .schema import Struct, compile_struct, require
 
 PROTOCOL_VERSION = 2
@@ -360,7 +363,7 @@ class StageResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@token_record
 class Delta:
     """Some output tokens of a generate request; terminal when ``finish_reason`` is set.
 

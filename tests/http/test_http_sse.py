@@ -61,3 +61,38 @@ def test_limits_and_bad_bytes_raise_sse_error() -> None:
         SseDecoder(16).feed(b"data: 0123456789\ndata: 0123456789\n")
     with pytest.raises(SseError, match="UTF-8"):
         SseDecoder(64).feed(b"data: \xff\n\n")
+
+
+@given(st.lists(st.tuples(_DATA, _NAMES), max_size=5))
+def test_one_event_per_read_decodes_as_any_split_does(events: list[tuple[str, str]]) -> None:
+    """A read that is one whole event (a paced stream's) takes the decoder's short way."""
+    whole, bytewise = SseDecoder(1 << 16), SseDecoder(1 << 16)
+    for data, name in events:
+        raw = encode_event(data, name).encode()
+        pieces = [raw[byte : byte + 1] for byte in range(len(raw))]
+        expected = [event for piece in pieces for event in bytewise.feed(piece)]
+        assert whole.feed(raw) == expected
+
+
+@pytest.mark.parametrize(
+    ("reads", "expected"),
+    [
+        ([b"data: a\r\n\n"], [SseEvent("", "a")]),
+        ([b"event: x\n", b"data: y\n\n"], [SseEvent("x", "y")]),
+        ([b"data: a\n", b"data: b\n\n"], [SseEvent("", "a\nb")]),
+        ([b"data: a", b"data: b\n\n"], [SseEvent("", "adata: b")]),
+        ([b"data: " + b"x" * 16 + b"\n\n"], [SseEvent("", "x" * 16)]),
+    ],
+)
+def test_a_whole_event_after_pending_lines_or_with_a_cr_is_decoded_in_full(
+    reads: list[bytes], expected: list[SseEvent]
+) -> None:
+    decoder = SseDecoder(16)
+    assert [event for read in reads for event in decoder.feed(read)] == expected
+
+
+def test_a_whole_event_read_keeps_the_limits() -> None:
+    with pytest.raises(SseError, match="event exceeds"):
+        SseDecoder(16).feed(b"data: " + b"x" * 17 + b"\n\n")
+    with pytest.raises(SseError, match="UTF-8"):
+        SseDecoder(64).feed(b"data: \xff\xfe\n\n")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import trio
+import trio.testing
 
 from epd_actors.backends.openai_http.backend import OpenAIHttpBackend, OpenAIHttpSettings
 from epd_actors.errors import RemoteWorkerError, WorkerDisconnected
@@ -23,8 +24,10 @@ from epd_actors.http.client import (
     ConnectFailed,
     ConnectionLost,
     RequestTimeout,
+    Response,
     ResponseTooLarge,
     WorkerHttpClient,
+    _Connection,
 )
 from epd_actors.protocol import ErrorCode, GenerateRequest, PrefillRequest, Prompt
 
@@ -134,6 +137,43 @@ async def test_chunked_bodies_split_anywhere(piece: int) -> None:
             await response.aclose()
         await client.aclose()
     assert client.connections_opened == 1
+
+
+@pytest.mark.parametrize(
+    ("reads", "expected"),
+    [
+        # One whole chunk per read, as a paced stream's reads come.
+        ([b"5;ext=1\r\nhello\r\n", b"7\r\n, world\r\n"], [b"hello", b", world"]),
+        ([b"4\r\na\r\nb\r\n"], [b"a\r\nb"]),  # a CRLF inside the data
+        ([b"5\r\nhel", b"lo\r\n"], [b"hel", b"lo"]),  # the rest of a chunk
+        ([b"2\r\nab\r\n3\r\ncde\r\n"], [b"abcde"]),  # two chunks in one read
+        ([b"0\r\n\r\n"], [None]),  # the last chunk ends the body
+    ],
+)
+async def test_each_read_of_chunked_framing_gives_its_data(
+    reads: list[bytes], expected: list[bytes | None]
+) -> None:
+    conn = _Connection(trio.testing.MemorySendStream(), trio.socket.socket())
+    response = Response(WorkerHttpClient("http://127.0.0.1:1", LIMITS), conn)
+    response._framing = "chunked"
+    found: list[bytes | None] = []
+    for read in reads:
+        conn.buffer += read
+        found.append(response.body_nowait())
+    conn.socket.close()
+    assert found == expected
+    assert not conn.buffer or expected[-1] is None
+
+
+@pytest.mark.parametrize("read", [b"3\r\nab\r\n\r\n", b"2\r\nabc\r\n", b"g\r\nab\r\n"])
+async def test_a_whole_read_of_bad_chunked_framing_is_refused(read: bytes) -> None:
+    conn = _Connection(trio.testing.MemorySendStream(), trio.socket.socket())
+    response = Response(WorkerHttpClient("http://127.0.0.1:1", LIMITS), conn)
+    response._framing = "chunked"
+    conn.buffer += read
+    with pytest.raises(BadResponse):
+        response.body_nowait()
+    conn.socket.close()
 
 
 async def test_next_chunk_merges_every_chunk_already_received() -> None:
