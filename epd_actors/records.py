@@ -12,8 +12,7 @@ frozen (``typing.dataclass_transform(frozen_default=True)``): ``mypy``
 rejects an assignment to a field, as it does for ``frozen=True``, and an
 instance hashes and compares by its fields, as a frozen one does.  What
 the run time does not do is refuse the assignment; the package never
-assigns to them, and ``mypy --strict`` over the package and its tests
-holds it to that.
+assigns to them, and ``mypy --strict`` over the package holds it to that.
 """
 
 from __future__ import annotations
