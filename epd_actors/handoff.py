@@ -58,7 +58,10 @@ class _Shared(Generic[T]):
     __slots__ = ("direct", "receive", "send", "taker")
 
     def __init__(self, capacity: int) -> None:
-        self.send, self.receive = trio.open_memory_channel[T](capacity)
+        # Typed by annotation, not by subscripting the call (a typing look-up per channel).
+        self.send: trio.MemorySendChannel[T]
+        self.receive: trio.MemoryReceiveChannel[T]
+        self.send, self.receive = trio.open_memory_channel(capacity)
         self.taker: Taker[T] | None = None
         self.direct = False  # the receiver waits with nothing queued: the taker may take
 

@@ -144,7 +144,6 @@ class OutputRelay:
         """
         if self.closed:
             return True
-        now = None  # when the delta was counted, if it was
         if delta.token_ids or delta.text or delta.fields:
             try:
                 self._events.send_nowait(delta_event(delta))
@@ -154,7 +153,11 @@ class OutputRelay:
                 self.caller_left = True
                 raise
             now = self._count(delta)
-        self._progressed(now)
+        else:
+            now = self._now()
+        self.last_delta_at = now
+        if not self.relayed:
+            self._first_delta(now)
         return True
 
     async def put(self, delta: Delta) -> None:
@@ -170,7 +173,6 @@ class OutputRelay:
         if self.closed:
             await trio.lowlevel.checkpoint()
             return
-        now = None
         if delta.token_ids or delta.text or delta.fields:
             self.waiting_for_caller = True
             try:
@@ -183,7 +185,10 @@ class OutputRelay:
             now = self._count(delta)
         else:
             await trio.lowlevel.checkpoint()
-        self._progressed(now)
+            now = self._now()
+        self.last_delta_at = now
+        if not self.relayed:
+            self._first_delta(now)
 
     def sink(self, delta: Delta) -> bool:
         """:meth:`offer` for a task that is not the job's and must not fail.
@@ -198,17 +203,14 @@ class OutputRelay:
         except trio.BrokenResourceError:
             return False
 
-    def _progressed(self, now: float | None) -> None:
-        if now is None:
-            now = self._now()
-        self.last_delta_at = now
-        if not self.relayed:
-            self.relayed = True
-            # The inter-token deadline may come before the first-token one.
-            if self.watch is not None:
-                self.watch.deadline = min(self.watch.deadline, now + self._inter_token_s)
-            if self.attempt is not None:  # the output started: no first-token deadline
-                self.attempt.deadline = math.inf
+    def _first_delta(self, now: float) -> None:
+        """The first delta passed: the deadlines that only it changes."""
+        self.relayed = True
+        # The inter-token deadline may come before the first-token one.
+        if self.watch is not None:
+            self.watch.deadline = min(self.watch.deadline, now + self._inter_token_s)
+        if self.attempt is not None:  # the output started: no first-token deadline
+            self.attempt.deadline = math.inf
 
     def _count(self, delta: Delta) -> float:
         """Count ``delta``'s tokens; return the time it was counted at (now)."""

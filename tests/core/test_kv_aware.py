@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from epd_actors.core.routing import Candidate, KVAware, RouteKey, make_policy
+from epd_actors.core.routing import Candidate, KVAware, RouteKey, make_policy, prompt_tokenizer
 from epd_actors.core.routing.tokenizers import SimTokenizer, build_tokenizer
 from epd_actors.errors import ConfigError
 from epd_actors.kv_events import BlockStored, FeedState, KVBlockIndex
@@ -250,3 +250,21 @@ def test_a_missing_tokenizers_library_is_named_with_its_extra(
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ConfigError, match=r"pip install 'epd_actors\[hf-tokenizer\]'"):
         build_tokenizer("hf", {"tokenizer_path": "tokenizer.json"})
+
+
+class _Holder:
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+
+
+class _NotATokenizer:
+    token_ids = "not callable"
+
+
+def test_a_policy_s_tokenizer_is_found_by_its_token_ids_method() -> None:
+    sim = SimTokenizer()
+    assert prompt_tokenizer(_Holder(sim)) is sim
+    assert prompt_tokenizer(object()) is None  # a policy without a tokenizer
+    assert prompt_tokenizer(_Holder(None)) is None
+    assert prompt_tokenizer(_Holder(object())) is None
+    assert prompt_tokenizer(_Holder(_NotATokenizer())) is None

@@ -299,6 +299,8 @@ class OpenAIHttpDeltaStream:
         assert sink is not None
         while (delta := self._take()) is not None:
             if delta.finish_reason is None and sink(delta):
+                if self._merge:
+                    return True  # the one delta held everything this read parsed
                 continue
             self._held = delta
             return False

@@ -538,34 +538,31 @@ class DeltaParser:
             StreamFailed: the stream carried an error.
             ReplyError: a chunk that is not the shape vLLM sends.
         """
+        scanner = self._scanner
         for event in events:
-            if event.data == DONE_DATA:
+            data = event.data
+            if data == DONE_DATA:
                 self._done = True
                 continue
             if self._done:
                 continue
-            if self._scanner is not None and not event.event and self._scanned(event.data):
+            # A text-only chunk is taken without parsing it (see ``relay``).
+            found = None if scanner is None or event.event else scanner.scan(data)
+            if found is not None:
+                text, literal, ids = found
+                if text:
+                    self._text.append(text)
+                    if self._literals is not None:
+                        self._literals.append(literal)
+                if ids is not None:
+                    self._token_ids += map(int, ids.split(","))
+                    self._logprobs = self._tokens = self._tops = None  # "logprobs":null
                 continue
-            chunk = _event_object(event.data)
+            # Another shape, or a bad escape in the text (the parse reports it).
+            chunk = _event_object(data)
             if event.event == "error" or "error" in chunk or chunk.get("object") == "error":
-                raise StreamFailed(error_message(event.data))
+                raise StreamFailed(error_message(data))
             self._chunk(chunk)
-
-    def _scanned(self, data: str) -> bool:
-        """Take a text-only chunk without parsing it; False for any other."""
-        assert self._scanner is not None
-        found = self._scanner.scan(data)
-        if found is None:  # another shape, or a bad escape (the parse reports it)
-            return False
-        text, literal, ids = found
-        if text:
-            self._text.append(text)
-            if self._literals is not None:
-                self._literals.append(literal)
-        if ids is not None:
-            self._token_ids += map(int, ids.split(","))
-            self._logprobs = self._tokens = self._tops = None  # "logprobs":null
-        return True
 
     def _chunk(self, chunk: JsonObject) -> None:
         usage = chunk.get("usage")

@@ -366,7 +366,10 @@ class BaseActor:
         Backpressure: waits while the inbox is full.
         Cancellation: leaving the block (normally or not) cancels the job.
         """
-        reply_send, reply_receive = trio.open_memory_channel[StageEvent](JOB_REPLY_BUFFER)
+        # Typed by annotation, not by subscripting the call (a typing look-up per job).
+        reply_send: trio.MemorySendChannel[StageEvent]
+        reply_receive: trio.MemoryReceiveChannel[StageEvent]
+        reply_send, reply_receive = trio.open_memory_channel(JOB_REPLY_BUFFER)
         job = Job(
             context,
             item,

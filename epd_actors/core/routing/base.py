@@ -124,7 +124,12 @@ def prompt_tokenizer(policy: object) -> PromptTokenizer | None:
     they are and their callers tokenize nothing.
     """
     tokenizer = getattr(policy, "tokenizer", None)
-    return tokenizer if isinstance(tokenizer, PromptTokenizer) else None
+    # What ``isinstance(tokenizer, PromptTokenizer)`` checks, without its walk
+    # of the protocol's members on every call (one per routed job).
+    if tokenizer is None or not callable(getattr(tokenizer, "token_ids", None)):
+        return None
+    found: PromptTokenizer = tokenizer
+    return found
 
 
 def load_after_one(candidate: Candidate) -> float:
