@@ -22,7 +22,11 @@ chunk.  This times each of them in a loop (``timeit``, the best of
   that takes it directly (``OutputRelay.offer``, as the backend's reader calls
   it), with the per-request inter-token gap record when this checkout has one;
   and the Python and C function calls it makes per delta (``sys.setprofile``),
-  a count the machine's load does not move.
+  a count the machine's load does not move;
+* ``record``: building a one-token ``Delta`` and the caller's ``DeltaEvent``
+  with every field given, as this checkout defines them and as a frozen
+  dataclass with the same fields (what they were before they became
+  ``token_record`` classes).
 
 To compare checkouts, run it from each with ``PYTHONPATH`` pointing at that
 checkout (the machine is shared, so run them back to back, twice)::
@@ -34,6 +38,8 @@ checkout (the machine is shared, so run them back to back, twice)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import sys
 import timeit
@@ -189,6 +195,35 @@ def profiled_calls(work: Callable[[], None]) -> tuple[int, int]:
     return calls["call"], calls["c_call"]
 
 
+def frozen_twin(cls: type) -> type:
+    """A frozen, slotted dataclass with ``cls``'s fields and defaults (what it was built as)."""
+    fields = [
+        (f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(cls)
+    ]
+    twin: type = dataclasses.make_dataclass(
+        f"Frozen{cls.__name__}", fields, frozen=True, slots=True
+    )
+    return twin
+
+
+def record_lines(number: int, repeat: int) -> None:
+    """``record``: building a one-token ``Delta`` and the caller's ``DeltaEvent``, every field
+    given, as this checkout defines them and as a frozen dataclass with the same fields."""
+    from epd_actors.request import DeltaEvent
+
+    delta_fields = {
+        f.name: getattr(Delta("r", (1234,), " tok"), f.name) for f in dataclasses.fields(Delta)
+    }
+    event_fields = {
+        f.name: getattr(DeltaEvent(" tok", (1234,)), f.name) for f in dataclasses.fields(DeltaEvent)
+    }
+    for cls, values in ((Delta, delta_fields), (DeltaEvent, event_fields)):
+        frozen = frozen_twin(cls)
+        own = per_item(functools.partial(cls, **values), 1, number, repeat)
+        twin = per_item(functools.partial(frozen, **values), 1, number, repeat)
+        print(f"record {cls.__name__:<14} {own:6.2f} µs   (frozen dataclass {twin:.2f} µs)")
+
+
 def gap_record() -> dict[str, object]:
     """The relay's inter-token gap record, as the supervisor passes it, where there is one."""
     try:
@@ -249,6 +284,7 @@ def main() -> None:
     print(f"relay a delta         {relay_us(number, repeat):6.2f} µs   (OutputRelay.offer, taken)")
     python_calls, c_calls = relay_calls()
     print(f"relay a delta         {python_calls:6.1f} Python calls, {c_calls:.1f} C calls")
+    record_lines(number, repeat)
     try:
         from epd_actors.http.body import body_framer
     except ImportError:

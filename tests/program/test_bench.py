@@ -337,9 +337,11 @@ def test_the_per_token_cost_benchmark_times_every_step() -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) == 12
+    assert len(lines) == 14
     timed = [line for line in lines if " µs" in line]
-    assert len(timed) == 9  # every step, and three lines of call counts
+    assert len(timed) == 11  # every step, and three lines of call counts
+    records = [line for line in timed if line.startswith("record ")]
+    assert len(records) == 2 and all("(frozen dataclass" in line for line in records)
     for line in timed:
         micros = float(line.split(" µs")[0].split()[-1])
         assert micros > 0, line
