@@ -16,9 +16,13 @@ once per read.  Its one task waits for that set to become readable (Trio
 watches the set's file descriptor like any other), asks the set which sockets
 are readable, and calls each one's *handler* once: the handler reads what is
 there without waiting and passes it on, in the hub's task.  Every stream with
-data is handled in the same pass; a socket that still has bytes after its one
-read is reported again in the next pass, so one busy stream cannot starve the
-others, and the hub checkpoints between passes.
+data is handled in the same pass, up to ``max_per_pass`` of them; a socket
+that still has bytes after its one read, or that was left for the next pass,
+is reported again then (the kernel's ready list turns round), so one busy
+stream cannot starve the others.  The hub checkpoints between passes, so a
+pass over hundreds of streams that got their tokens on the same engine step
+does not hold up the router's other tasks (a new request's parse, its
+prefill call) for all of it.
 
 The owner of a socket -- the task that would otherwise read it -- calls
 :meth:`ReadHub.serve` and stays parked while its handler returns True.  The
@@ -52,6 +56,8 @@ if TYPE_CHECKING:
 __all__ = ["ReadHub"]
 
 _EPOLL: Final = getattr(select, "epoll", None)
+MAX_PER_PASS: Final = 64
+"""Handlers a pass calls at most, by default, before the hub lets other tasks run."""
 _READABLE: Final = getattr(select, "EPOLLIN", 0) | getattr(select, "EPOLLRDHUP", 0)
 
 
@@ -71,14 +77,20 @@ class ReadHub:
 
     One hub serves the sockets of one component (a backend's streams); its
     :meth:`run` task lives in that component's nursery.
+
+    Args:
+        max_per_pass: the readable sockets handled in one pass at most (>= 1).
     """
 
     available: Final = _EPOLL is not None
     """Whether this platform has what the hub needs (``select.epoll``)."""
 
-    __slots__ = ("_epoll", "_watching", "passes")
+    __slots__ = ("_epoll", "_watching", "max_per_pass", "passes")
 
-    def __init__(self) -> None:
+    def __init__(self, max_per_pass: int = MAX_PER_PASS) -> None:
+        if max_per_pass < 1:
+            raise ValueError(f"max_per_pass must be at least 1, not {max_per_pass}")
+        self.max_per_pass = max_per_pass
         self._epoll: select.epoll | None = None  # while run() runs
         self._watching: dict[int, _Watch] = {}
         self.passes = 0  # scheduler passes that found readable sockets
@@ -120,7 +132,7 @@ class ReadHub:
             task_status.started()
             while True:
                 await trio.lowlevel.wait_readable(fd)
-                ready = epoll.poll(0)
+                ready = epoll.poll(0, self.max_per_pass)
                 if ready:
                     self.passes += 1
                 for ready_fd, _events in ready:

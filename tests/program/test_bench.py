@@ -341,7 +341,8 @@ def test_the_per_token_cost_benchmark_times_every_step() -> None:
     timed = [line for line in lines if " µs" in line]
     assert len(timed) == 11  # every step, and three lines of call counts
     records = [line for line in timed if line.startswith("record ")]
-    assert len(records) == 2 and all("(frozen dataclass" in line for line in records)
+    assert len(records) == 2
+    assert all("(frozen dataclass" in line for line in records)
     for line in timed:
         micros = float(line.split(" µs")[0].split()[-1])
         assert micros > 0, line

@@ -206,3 +206,51 @@ async def test_a_socket_that_stays_readable_does_not_starve_other_tasks() -> Non
             hub.release(right)
             assert len(calls) >= 2
             assert hub.passes >= len(calls)
+
+
+async def test_a_pass_handles_at_most_max_per_pass_sockets_and_lets_other_tasks_run() -> None:
+    pairs = [trio.socket.socketpair() for _ in range(10)]
+    order: list[str] = []
+
+    def handler(index: int, sock: trio.socket.SocketType) -> Callable[[], bool]:
+        def handle() -> bool:
+            os.read(sock.fileno(), 1024)
+            order.append(f"read {index}")
+            return False  # each owner is done after one read
+
+        return handle
+
+    async def other_task() -> None:
+        while len([o for o in order if o.startswith("read")]) < len(pairs):
+            order.append("other")
+            await trio.lowlevel.checkpoint()
+
+    hub = ReadHub(max_per_pass=4)
+    try:
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as outer:
+                await outer.start(hub.run)
+                async with trio.open_nursery() as owners:
+                    for index, (_left, right) in enumerate(pairs):
+                        owners.start_soon(hub.serve, right, handler(index, right))
+                    await trio.testing.wait_all_tasks_blocked()
+                    for left, _right in pairs:  # all readable before the hub's next turn
+                        os.write(left.fileno(), b"x")
+                    owners.start_soon(other_task)
+                outer.cancel_scope.cancel()
+    finally:
+        for left, right in pairs:
+            left.close()
+            right.close()
+    reads = [o for o in order if o.startswith("read")]
+    assert sorted(reads) == sorted(f"read {i}" for i in range(10))
+    assert hub.passes == 3  # 4 + 4 + 2
+    # Between two passes the other task had its turn.
+    runs = "".join("r" if o.startswith("read") else "o" for o in order)
+    assert "rrrr" in runs
+    assert "rrrrr" not in runs
+
+
+def test_max_per_pass_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        ReadHub(max_per_pass=0)
