@@ -6,8 +6,12 @@ every concurrency, then round 2, ...), so slow drifts of a shared machine
 hit every scenario alike; the report takes medians over rounds.  Each round
 runs the scenarios in its own shuffled order (``--seed``, printed), so no
 scenario always follows the same one (one measured right after ``direct``
-read 10-30 % high when the order was fixed).  ``--stream-coalescing off``
-writes ``[server] stream_coalescing = "off"`` into every router's configuration.  Writes
+read 10-30 % high when the order was fixed).  Besides the medians it reports,
+per round, router CPU per request of each scenario over its ``@base``, of each
+``@Nproc`` variant over its scenario and of each router over vllm-router, and
+the median and range of those paired ratios (``paired`` in the results).
+``--stream-coalescing off`` writes ``[server] stream_coalescing = "off"`` into
+every router's configuration.  Writes
 ``benchmarks/results/<name>.json`` and, when matplotlib is importable, PNG
 plots next to it.  Stops everything on exit.
 
@@ -344,6 +348,64 @@ KEYS = (
 )
 
 
+REFERENCE = "vllm-router-pd"
+"""The peer every router scenario's CPU per request is also paired with, when it ran."""
+
+
+def paired_ratios(rows: list[dict], key: str = "router_cpu_ms_per_req") -> list[dict]:
+    """``key`` of one scenario over another's, taken in each round where both ran.
+
+    The pairs: each ``<scenario>`` over its ``<scenario>@base``, each
+    ``<scenario>@<N>proc`` over its ``<scenario>``, and every scenario with a
+    router over vllm-router.  Two
+    scenarios of one round ran minutes apart under the same load on the machine,
+    so the ratio of a round moves less than either median does; the median of the
+    rounds' ratios and their range say how sure a comparison is.
+    """
+    values = {(r["scenario"], r["concurrency"], r["round"]): r.get(key) for r in rows}
+    names = sorted({r["scenario"] for r in rows})
+    pairs = []
+    for name in names:
+        plain, _, variant = name.partition("@")
+        if (
+            variant and plain in names
+        ):  # a checkout's code over the baseline's; N processes over one
+            pairs.append((plain, name) if variant == "base" else (name, plain))
+    if REFERENCE in names:
+        pairs += [(n, REFERENCE) for n in names if n not in (REFERENCE, "direct")]
+    found = []
+    for name, reference in pairs:
+        for concurrency in sorted({r["concurrency"] for r in rows}):
+            ratios = []
+            for (scenario, conc, round_index), value in values.items():
+                other = values.get((reference, conc, round_index))
+                if scenario == name and conc == concurrency and value and other:
+                    ratios.append(value / other)
+            if ratios:
+                found.append(
+                    {
+                        "scenario": name,
+                        "reference": reference,
+                        "concurrency": concurrency,
+                        "key": key,
+                        "median": median(ratios),
+                        "low": min(ratios),
+                        "high": max(ratios),
+                        "rounds": len(ratios),
+                    }
+                )
+    return found
+
+
+def paired_lines(pairs: list[dict]) -> list[str]:
+    """One line per pair: ``a / b  c=N  median (low-high) over R rounds``."""
+    return [
+        f"{p['scenario']} / {p['reference']}  c={p['concurrency']}  {p['median']:.2f} "
+        f"({p['low']:.2f}-{p['high']:.2f}) over {p['rounds']} rounds"
+        for p in pairs
+    ]
+
+
 def markdown_table(table: list[dict], standard: int) -> str:
     direct = {e["concurrency"]: e["req_per_s"] for e in table if e["scenario"] == "direct"}
     lines = [
@@ -568,12 +630,17 @@ def main(argv: list[str] | None = None) -> int:
         },
         "machine": machine(),
         "medians": table,
+        "paired": paired_ratios(rows),
         "rows": rows,
     }
     if not args.no_plots:
         document["plots"] = plot(table, args.standard_concurrency, stem)
     stem.with_suffix(".json").write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     print(markdown_table(table, args.standard_concurrency))
+    if document["paired"]:
+        print("router CPU per request, paired in each round (median, range):")
+        for line in paired_lines(document["paired"]):
+            print(f"  {line}")
     print(f"wrote {stem.with_suffix('.json').name} in {results.name}/")
     return 0
 

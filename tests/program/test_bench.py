@@ -494,3 +494,42 @@ def test_the_live_fleet_benchmark_configures_each_policy_it_compares() -> None:
     assert prefill.kv_events_endpoint == "tcp://127.0.0.1:3"
     argv = vllm_router_argv("vllm-router", 1, 2, workers, pd=True, policy="cache_aware")
     assert argv[argv.index("--policy") + 1] == "cache_aware"
+
+
+def test_paired_ratios_divide_within_each_round() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from run_router_overhead import paired_lines, paired_ratios
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cpu = {  # (scenario, round) -> router CPU ms per request
+        ("http-pd", 0): 9.0,
+        ("http-pd@base", 0): 10.0,
+        ("http-pd", 1): 12.0,
+        ("http-pd@base", 1): 10.0,
+        ("http-pd", 2): 11.0,
+        ("http-pd@base", 2): 12.0,
+        ("vllm-router-pd", 0): 4.5,
+        ("vllm-router-pd", 1): 6.0,
+        ("direct", 0): None,
+    }
+    rows = [
+        {"scenario": name, "concurrency": 256, "round": index, "router_cpu_ms_per_req": value}
+        for (name, index), value in cpu.items()
+    ]
+    pairs = {(p["scenario"], p["reference"]): p for p in paired_ratios(rows)}
+    assert sorted(pairs) == [
+        ("http-pd", "http-pd@base"),
+        ("http-pd", "vllm-router-pd"),
+        ("http-pd@base", "vllm-router-pd"),
+    ]
+    ab = pairs[("http-pd", "http-pd@base")]
+    assert ab["rounds"] == 3
+    # Each round's own ratio: 9/10, 12/10, 11/12; not a ratio of the medians.
+    assert ab["median"] == pytest.approx(11 / 12)
+    assert (ab["low"], ab["high"]) == (pytest.approx(0.9), pytest.approx(1.2))
+    peer = pairs[("http-pd", "vllm-router-pd")]
+    assert peer["rounds"] == 2  # vllm-router did not run in round 2
+    assert peer["median"] == pytest.approx(2.0)
+    (line,) = paired_lines([peer])
+    assert line == "http-pd / vllm-router-pd  c=256  2.00 (2.00-2.00) over 2 rounds"
