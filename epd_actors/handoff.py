@@ -78,7 +78,7 @@ class open_handoff(tuple["HandoffSender[T]", "HandoffReceiver[T]"]):
     def __new__(  # type: ignore[misc]  # returns a plain tuple, as trio's factory does
         cls, capacity: int
     ) -> tuple[HandoffSender[T], HandoffReceiver[T]]:
-        shared = _Shared[T](capacity)
+        shared: _Shared[T] = _Shared(capacity)  # typed here: no typing look-up per channel
         return HandoffSender(shared), HandoffReceiver(shared)
 
     def __init__(self, capacity: int) -> None:

@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "limits",
         "_groups",
         "errors",
+        "records",
     ),
 )
 """Top to bottom: a module may import its own layer's modules and any layer below."""

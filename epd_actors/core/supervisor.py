@@ -417,7 +417,10 @@ class Supervisor:
         are unread.  Admission: past ``max_requests_in_flight`` the only event
         is an ``ErrorEvent`` carrying ``Overloaded`` (nothing is queued).
         """
-        send, receive = open_handoff[GenerationEvent](REQUEST_EVENT_BUFFER)
+        # Typed by annotation, not by subscripting the call (a typing look-up per request).
+        send: HandoffSender[GenerationEvent]
+        receive: HandoffReceiver[GenerationEvent]
+        send, receive = open_handoff(REQUEST_EVENT_BUFFER)
         refusal = self._admission_refusal(request)
         if refusal is not None:
             send.send_nowait(refusal)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ...errors import WorkerError
+    from ...handoff import HandoffReceiver, HandoffSender
     from ...protocol import Welcome
     from ...transport.framed import FramedStream
 
@@ -249,7 +250,10 @@ class _Pending:
         self.connection = connection
         self.expects = expects
         self.abortable = not isinstance(message, Release)
-        self.send_channel, self.receive_channel = open_handoff[_Reply](capacity)
+        # Typed by annotation, not by subscripting the call (a typing look-up per request).
+        self.send_channel: HandoffSender[_Reply]
+        self.receive_channel: HandoffReceiver[_Reply]
+        self.send_channel, self.receive_channel = open_handoff(capacity)
         self.accepting = True
         self.failure: WorkerError | None = None
         self.settled = trio.Event()
