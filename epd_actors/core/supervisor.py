@@ -270,7 +270,8 @@ class Supervisor:
         self.compensations_run = 0
         # One scope per running request's pipeline, so a shutdown can end them
         # with a typed error their clients see (``expire_requests``).
-        self._expirable: set[trio.CancelScope] = set()
+        self._expirable: set[trio.CancelScope] = set()  # each request's deadline scope
+        self._expired: set[trio.CancelScope] = set()  # of those, the ones expire_requests ended
         self._expiry_reason = ""
 
     def __repr__(self) -> str:
@@ -352,6 +353,7 @@ class Supervisor:
         self._expiry_reason = reason
         for scope in self._expirable:
             scope.cancel(reason=reason)
+        self._expired.update(self._expirable)
         return len(self._expirable)
 
     async def wait_idle(self) -> None:
@@ -530,21 +532,23 @@ class Supervisor:
         timeout = request.timeout_s
         if not timeout:  # None or 0: the configured deadline
             timeout = self.deadlines.request_timeout_s
-        expiry = trio.CancelScope()
-        self._expirable.add(expiry)
+        # One scope for the request's deadline and the drain's expiry
+        # (:meth:`expire_requests` cancels it and notes that it did).
+        scope = trio.move_on_after(timeout)
+        self._expirable.add(scope)
         try:
-            with expiry:
-                with trio.move_on_after(timeout):
-                    return await self._pipeline(record, events)
+            with scope:
+                return await self._pipeline(record, events)
+            if scope in self._expired:
                 raise StageTimeout(
-                    f"request {request.request_id} exceeded its {timeout:g}s deadline "
-                    f"while {record.lifecycle.phase.value}",
-                    phase="request",
+                    f"request {request.request_id} ended while "
+                    f"{record.lifecycle.phase.value}: {self._expiry_reason}",
+                    phase="drain",
                 )
             raise StageTimeout(
-                f"request {request.request_id} ended while "
-                f"{record.lifecycle.phase.value}: {self._expiry_reason}",
-                phase="drain",
+                f"request {request.request_id} exceeded its {timeout:g}s deadline "
+                f"while {record.lifecycle.phase.value}",
+                phase="request",
             )
         except EpdError as exc:
             logger.info("request %s failed: %s", request.request_id, exc)
@@ -556,7 +560,8 @@ class Supervisor:
                 RequestCancelled(f"request {request.request_id}: caller left"), record.timings()
             )
         finally:
-            self._expirable.discard(expiry)
+            self._expirable.discard(scope)
+            self._expired.discard(scope)
 
     async def _pipeline(
         self, record: _RequestRecord, events: HandoffSender[GenerationEvent]

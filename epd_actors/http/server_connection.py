@@ -260,22 +260,28 @@ class ServerConnection:
             await self.write(self.h11.send(_CONTINUE) or b"")
         chunks: list[bytes] = []
         size = 0
-        with trio.move_on_after(self.limits.body_timeout_s):
-            while True:
-                try:
-                    event = await self.next_event()
-                except h11.RemoteProtocolError as exc:
-                    raise Refusal(400, f"malformed request body: {exc}") from None
-                if isinstance(event, h11.Data):
-                    size += len(event.data)
-                    if size > limit:
-                        raise Refusal(413, f"request body exceeds {limit} bytes")
-                    chunks.append(event.data)
-                elif isinstance(event, h11.EndOfMessage):
-                    return b"".join(chunks)
-                else:
-                    raise ClientGone("connection closed while sending the body")
-        raise Refusal(408, "request body timed out")
+        # The deadline is set now; a timeout scope is opened only to wait for
+        # more bytes, which a body that came with its head never does.
+        deadline = trio.current_time() + self.limits.body_timeout_s
+        while True:
+            try:
+                event: object = self.h11.next_event()
+                if event is h11.NEED_DATA:
+                    with trio.move_on_at(deadline):
+                        event = await self.next_event()
+                    if event is h11.NEED_DATA:
+                        raise Refusal(408, "request body timed out")
+            except h11.RemoteProtocolError as exc:
+                raise Refusal(400, f"malformed request body: {exc}") from None
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > limit:
+                    raise Refusal(413, f"request body exceeds {limit} bytes")
+                chunks.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return b"".join(chunks)
+            else:
+                raise ClientGone("connection closed while sending the body")
 
     def body_complete(self) -> bool:
         """Consume what is left of the request body if it is already buffered."""
