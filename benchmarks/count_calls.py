@@ -7,8 +7,9 @@ with how replies happen to be split across reads.)
 
 Starts the simulated workers of one of ``run_router_overhead.py``'s router
 scenarios and the router under ``python -m cProfile``, loads it with the bench
-(concurrency 32, 64 output tokens) for ``--requests`` requests, stops it, and
-does the same with ``--requests`` plus ``--extra`` requests.  The difference
+(concurrency 32, 64 output tokens, or ``--max-tokens``) for ``--requests``
+requests, stops it, and does the same with ``--requests`` plus ``--extra``
+requests.  The difference
 between the two profiles, divided by ``--extra``, is the cost per request
 without start-up and shut-down.  Prints the calls per request and, with
 ``--top``, the functions with the most calls per request.  ``--baseline``
@@ -16,6 +17,7 @@ counts another checkout the same way, for a before and after::
 
     python benchmarks/count_calls.py --scenario native-pd
     python benchmarks/count_calls.py --scenario http-pd --token-s 0 --baseline <checkout>
+    python benchmarks/count_calls.py --scenario native-pd --token-s 0 --max-tokens 1
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def run_load(
     args: argparse.Namespace, source: str | None, requests: int, workdir: Path, **start: Any
 ) -> int:
     """Start ``args.scenario`` from ``source`` (``start`` goes to ``start_scenario``),
-    load it with ``requests`` requests of 64 tokens, stop it; the requests completed."""
+    load it with ``requests`` requests of ``args.max_tokens`` tokens, stop it; the requests
+    completed."""
     scenario = scenarios(args.token_s, step_clock=args.step_clock)[args.scenario]
     scenario.source = source
     with ExitStack() as stack:
@@ -54,7 +57,7 @@ def run_load(
             scenario.url,
             concurrency=args.concurrency,
             requests=requests,
-            max_tokens=MAX_TOKENS,
+            max_tokens=args.max_tokens,
             cores=None,
             out=workdir / "bench.json",
         )
@@ -77,6 +80,12 @@ def add_count_arguments(
     parser.add_argument("--extra", type=int, default=extra, help="the second load's extra")
     parser.add_argument("--top", type=int, default=0, help="list the most-called functions")
     parser.add_argument("--baseline", default=None, help="another checkout, counted too")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=MAX_TOKENS,
+        help="output tokens per request (1: what a request costs without its tokens)",
+    )
     add_pacing_arguments(parser)
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from count_calls import MAX_TOKENS, ROUTER_SCENARIOS, add_count_arguments, checkouts, run_load
+from count_calls import ROUTER_SCENARIOS, add_count_arguments, checkouts, run_load
 
 # Peer routers counted beside ours (a checkout's code does not change them: no --baseline).
 PEER_SCENARIOS = ("vllm-router-pd",)
@@ -73,7 +73,7 @@ def per_token(
     """Tokens measured, and each system call's (calls, errors) per token."""
     done_small, small = count_load(args, source, args.requests)
     done_large, large = count_load(args, source, args.requests + args.extra)
-    tokens = (done_large - done_small) * MAX_TOKENS
+    tokens = (done_large - done_small) * args.max_tokens
     if tokens <= 0:
         raise SystemExit("the second load completed no more requests than the first")
     rows = {}
