@@ -155,9 +155,7 @@ class OutputRelay:
             now = self._count(delta)
         else:
             now = self._now()
-        self.last_delta_at = now
-        if not self.relayed:
-            self._first_delta(now)
+        self._progressed(now)
         return True
 
     async def put(self, delta: Delta) -> None:
@@ -186,9 +184,7 @@ class OutputRelay:
         else:
             await trio.lowlevel.checkpoint()
             now = self._now()
-        self.last_delta_at = now
-        if not self.relayed:
-            self._first_delta(now)
+        self._progressed(now)
 
     def sink(self, delta: Delta) -> bool:
         """:meth:`offer` for a task that is not the job's and must not fail.
@@ -203,8 +199,11 @@ class OutputRelay:
         except trio.BrokenResourceError:
             return False
 
-    def _first_delta(self, now: float) -> None:
-        """The first delta passed: the deadlines that only it changes."""
+    def _progressed(self, now: float) -> None:
+        """A delta passed at ``now``; the first one also moves the deadlines only it changes."""
+        self.last_delta_at = now
+        if self.relayed:
+            return
         self.relayed = True
         # The inter-token deadline may come before the first-token one.
         if self.watch is not None:

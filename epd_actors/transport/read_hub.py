@@ -56,9 +56,9 @@ if TYPE_CHECKING:
 __all__ = ["ReadHub"]
 
 _EPOLL: Final = getattr(select, "epoll", None)
+_READABLE: Final = getattr(select, "EPOLLIN", 0) | getattr(select, "EPOLLRDHUP", 0)
 MAX_PER_PASS: Final = 64
 """Handlers a pass calls at most, by default, before the hub lets other tasks run."""
-_READABLE: Final = getattr(select, "EPOLLIN", 0) | getattr(select, "EPOLLRDHUP", 0)
 
 
 class _Watch:
