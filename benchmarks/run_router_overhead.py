@@ -357,29 +357,31 @@ def paired_ratios(rows: list[dict], key: str = "router_cpu_ms_per_req") -> list[
 
     The pairs: each ``<scenario>`` over its ``<scenario>@base``, each
     ``<scenario>@<N>proc`` over its ``<scenario>``, and every scenario with a
-    router over vllm-router.  Two
-    scenarios of one round ran minutes apart under the same load on the machine,
-    so the ratio of a round moves less than either median does; the median of the
-    rounds' ratios and their range say how sure a comparison is.
+    router over vllm-router.  Two scenarios of one round ran minutes apart under
+    the same load on the machine, so the ratio of a round moves less than either
+    median does; the median of the rounds' ratios and their range say how sure
+    a comparison is.
     """
     values = {(r["scenario"], r["concurrency"], r["round"]): r.get(key) for r in rows}
     names = sorted({r["scenario"] for r in rows})
+    concurrencies = sorted({r["concurrency"] for r in rows})
+    rounds = sorted({r["round"] for r in rows})
     pairs = []
     for name in names:
+        # A checkout's code over the baseline's; N processes over one.
         plain, _, variant = name.partition("@")
-        if (
-            variant and plain in names
-        ):  # a checkout's code over the baseline's; N processes over one
+        if variant and plain in names:
             pairs.append((plain, name) if variant == "base" else (name, plain))
     if REFERENCE in names:
         pairs += [(n, REFERENCE) for n in names if n not in (REFERENCE, "direct")]
     found = []
     for name, reference in pairs:
-        for concurrency in sorted({r["concurrency"] for r in rows}):
+        for concurrency in concurrencies:
             ratios = []
-            for (scenario, conc, round_index), value in values.items():
-                other = values.get((reference, conc, round_index))
-                if scenario == name and conc == concurrency and value and other:
+            for round_index in rounds:
+                value = values.get((name, concurrency, round_index))
+                other = values.get((reference, concurrency, round_index))
+                if value and other:
                     ratios.append(value / other)
             if ratios:
                 found.append(
