@@ -139,6 +139,14 @@ async def test_chunked_bodies_split_anywhere(piece: int) -> None:
     assert client.connections_opened == 1
 
 
+def chunked_response() -> tuple[_Connection, Response]:
+    """A response reading a chunked body from its connection's buffer (no socket I/O)."""
+    conn = _Connection(trio.testing.MemorySendStream(), trio.socket.socket())
+    response = Response(WorkerHttpClient("http://127.0.0.1:1", LIMITS), conn)
+    response._framing = "chunked"
+    return conn, response
+
+
 @pytest.mark.parametrize(
     ("reads", "expected"),
     [
@@ -153,9 +161,7 @@ async def test_chunked_bodies_split_anywhere(piece: int) -> None:
 async def test_each_read_of_chunked_framing_gives_its_data(
     reads: list[bytes], expected: list[bytes | None]
 ) -> None:
-    conn = _Connection(trio.testing.MemorySendStream(), trio.socket.socket())
-    response = Response(WorkerHttpClient("http://127.0.0.1:1", LIMITS), conn)
-    response._framing = "chunked"
+    conn, response = chunked_response()
     found: list[bytes | None] = []
     for read in reads:
         conn.buffer += read
@@ -167,9 +173,7 @@ async def test_each_read_of_chunked_framing_gives_its_data(
 
 @pytest.mark.parametrize("read", [b"3\r\nab\r\n\r\n", b"2\r\nabc\r\n", b"g\r\nab\r\n"])
 async def test_a_whole_read_of_bad_chunked_framing_is_refused(read: bytes) -> None:
-    conn = _Connection(trio.testing.MemorySendStream(), trio.socket.socket())
-    response = Response(WorkerHttpClient("http://127.0.0.1:1", LIMITS), conn)
-    response._framing = "chunked"
+    conn, response = chunked_response()
     conn.buffer += read
     with pytest.raises(BadResponse):
         response.body_nowait()

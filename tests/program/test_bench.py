@@ -7,6 +7,7 @@ and one benchmark scenario work on a tiny load (docs/benchmarks.md).
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import math
 import os
@@ -233,6 +234,16 @@ async def test_open_loop_and_non_streaming_in_process() -> None:
     assert all(error.startswith("HTTP 401") for error in refused.summary.errors)
 
 
+def benchmark_module(name: str) -> Any:
+    """A module of ``benchmarks/`` (scripts beside each other, not a package), imported."""
+    folder = str(ROOT / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
+
+
 @pytest.mark.processes
 def smoke_run(tmp_path: Path, scenario: str, *extra: str, timeout: float = 90) -> dict[str, Any]:
     """``run_router_overhead.py`` on a tiny load of ``scenario`` (2 streams, 10 requests)."""
@@ -291,11 +302,8 @@ def test_a_processes_variant_counts_every_router_process(tmp_path: Path) -> None
 
 @pytest.mark.processes
 def test_a_process_tree_s_cpu_includes_its_descendants() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from harness import cpu_times, tree_cpu_times
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    harness = benchmark_module("harness")
+    cpu_times, tree_cpu_times = harness.cpu_times, harness.tree_cpu_times
     burn = (
         "import sys, time\n"
         "while time.process_time() < 0.3: pass\n"
@@ -314,11 +322,7 @@ def test_a_process_tree_s_cpu_includes_its_descendants() -> None:
 
 
 def test_vllm_router_gets_p_and_d_in_its_pd_mode() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from harness import vllm_router_argv
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    vllm_router_argv = benchmark_module("harness").vllm_router_argv
     endpoints = [("prefill", "p-0", "http://127.0.0.1:1"), ("decode", "d-0", "http://127.0.0.1:2")]
     argv = vllm_router_argv("vllm-router", 9000, 9001, endpoints, pd=True)
     assert argv[argv.index("--prefill") + 1] == "http://127.0.0.1:1"
@@ -475,12 +479,9 @@ def test_the_live_fleet_benchmark_configures_each_policy_it_compares() -> None:
 
     from epd_actors.program.config_file import parse_config
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from fleet_cache_live import Fleet, router_config
-        from harness import vllm_router_argv
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    live = benchmark_module("fleet_cache_live")
+    Fleet, router_config = live.Fleet, live.router_config
+    vllm_router_argv = benchmark_module("harness").vllm_router_argv
     workers = [("prefill", "prefill-0", "http://127.0.0.1:1")]
     workers += [("decode", "decode-0", "http://127.0.0.1:2")]
     fleet = Fleet(workers, {"prefill-0": ("tcp://127.0.0.1:3", "tcp://127.0.0.1:4")})
@@ -497,11 +498,8 @@ def test_the_live_fleet_benchmark_configures_each_policy_it_compares() -> None:
 
 
 def test_paired_ratios_divide_within_each_round() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from run_router_overhead import paired_lines, paired_ratios
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    overhead = benchmark_module("run_router_overhead")
+    paired_lines, paired_ratios = overhead.paired_lines, overhead.paired_ratios
     cpu = {  # (scenario, round) -> router CPU ms per request
         ("http-pd", 0): 9.0,
         ("http-pd@base", 0): 10.0,
