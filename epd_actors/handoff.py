@@ -150,9 +150,31 @@ class HandoffSender(_End[T]):
             trio.BrokenResourceError: the receiver closed its end.
             trio.ClosedResourceError: this end was closed.
         """
-        if self._shared.direct and self._hand_over(item):
-            return
-        self._shared.send.send_nowait(item)
+        shared = self._shared
+        if shared.direct:
+            # The taker is called here, not through a helper: once per token relayed.
+            taker = shared.taker
+            assert taker is not None  # ``direct`` is only set with a taker attached
+            if taker(item):
+                return
+            shared.direct = False  # refused: queue until the receiver caught up
+        shared.send.send_nowait(item)
+
+    def queue_nowait(self, item: T) -> None:
+        """Queue ``item`` without offering it to the taker; later items queue behind it.
+
+        For an item the taker would refuse anyway (the end of a stream): the
+        direct hand-over stops until the receiver has taken it, so nothing
+        sent after it can overtake it.  Not a checkpoint.
+
+        Raises:
+            trio.WouldBlock: the buffer is full (nothing was done).
+            trio.BrokenResourceError: the receiver closed its end.
+            trio.ClosedResourceError: this end was closed.
+        """
+        shared = self._shared
+        shared.send.send_nowait(item)
+        shared.direct = False
 
     def offer(self, item: T) -> bool:
         """:meth:`send_nowait`, False instead of ``trio.WouldBlock`` (the others still raise)."""
@@ -176,20 +198,15 @@ class HandoffSender(_End[T]):
         shared = self._shared
         if shared.direct:
             await trio.lowlevel.checkpoint_if_cancelled()
-            if shared.direct and self._hand_over(item):
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                return
+            if shared.direct:
+                try:
+                    self.send_nowait(item)  # taken, or refused and queued
+                except trio.WouldBlock:
+                    pass  # refused, and the buffer is full: wait for room below
+                else:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    return
         await shared.send.send(item)
-
-    def _hand_over(self, item: T) -> bool:
-        """Give ``item`` to the waiting receiver's taker; after a refusal, queue from now on."""
-        shared = self._shared
-        taker = shared.taker
-        assert taker is not None  # ``direct`` is only set with a taker attached
-        if taker(item):
-            return True
-        shared.direct = False  # refused: queue until the receiver caught up
-        return False
 
     def close(self) -> None:
         """No more items: the receiver ends with ``trio.EndOfChannel`` after the queued ones."""

@@ -134,29 +134,55 @@ class OutputRelay:
         """
         self.closed = True
 
-    def offer(self, delta: Delta) -> bool:
+    def sink(self, delta: Delta) -> bool:
         """Relay ``delta`` if the event channel has room now; False (nothing done) if not.
 
-        Not a checkpoint.  A closed relay drops the delta (and returns True).
-
-        Raises:
-            trio.BrokenResourceError: the caller closed its end (``caller_left`` is set).
+        Not a checkpoint, never raises: a backend's reader calls it with a delta
+        of the job's stream as soon as the delta arrives, while the job's task
+        waits with nothing queued.  False: the delta was not taken (no room, or
+        the caller left, which sets ``caller_left``); the reader then queues it
+        for the job's task, which meets the same condition itself
+        (:meth:`offer`).  A closed relay drops the delta (and returns True).
         """
         if self.closed:
             return True
         if delta.token_ids or delta.text or delta.fields:
             try:
-                self._events.send_nowait(delta_event(delta))
+                # ``delta_event`` and (below) ``_progressed`` inline: once per token relayed.
+                self._events.send_nowait(
+                    DeltaEvent(
+                        delta.text,
+                        delta.token_ids,
+                        delta.logprobs,
+                        delta.tokens,
+                        delta.top_logprobs,
+                        delta.fields,
+                    )
+                )
             except trio.WouldBlock:
                 return False
             except trio.BrokenResourceError:
                 self.caller_left = True
-                raise
+                return False
             now = self._count(delta)
         else:
             now = self._now()
-        self._progressed(now)
+        self.last_delta_at = now
+        if not self.relayed:
+            self._first_delta(now)
         return True
+
+    def offer(self, delta: Delta) -> bool:
+        """:meth:`sink` for the job's own task, where the caller's leaving raises.
+
+        Raises:
+            trio.BrokenResourceError: the caller closed its end (``caller_left`` is set).
+        """
+        if self.sink(delta):
+            return True
+        if self.caller_left:
+            raise trio.BrokenResourceError("the caller closed its event channel")
+        return False
 
     async def put(self, delta: Delta) -> None:
         """Relay ``delta``, waiting for room in the event channel.
@@ -186,24 +212,14 @@ class OutputRelay:
             now = self._now()
         self._progressed(now)
 
-    def sink(self, delta: Delta) -> bool:
-        """:meth:`offer` for a task that is not the job's and must not fail.
-
-        A backend's reader calls it with a delta of the job's stream, as soon as
-        the delta arrives, while the job's task waits with nothing queued.  False:
-        the delta was not taken (no room, or the caller left); the reader then
-        queues it for the job's task, which meets the same condition itself.
-        """
-        try:
-            return self.offer(delta)
-        except trio.BrokenResourceError:
-            return False
-
     def _progressed(self, now: float) -> None:
         """A delta passed at ``now``; the first one also moves the deadlines only it changes."""
         self.last_delta_at = now
-        if self.relayed:
-            return
+        if not self.relayed:
+            self._first_delta(now)
+
+    def _first_delta(self, now: float) -> None:
+        """The first delta passed at ``now``: move the deadlines only it changes."""
         self.relayed = True
         # The inter-token deadline may come before the first-token one.
         if self.watch is not None:

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from ..openai.sse import worth_a_chunk
 from ..request import DeltaEvent
 from .event_batches import next_batch
 
@@ -101,8 +100,9 @@ class DirectSseWriter:
         """
         if self.backlog or self.failed or type(event) is not DeltaEvent:
             return False  # usage, done and error events go to the connection's task
-        if not worth_a_chunk(event, logprobs=self._logprobs):
-            return True  # nothing to render (as in a batch)
+        # ``worth_a_chunk`` inline (once per token): nothing to render, as in a batch.
+        if not (event.text or event.fields or (self._logprobs and event.token_ids)):
+            return True
         text = self._formatter.event(event)
         data = self._frame(text.encode("utf-8", "replace"))
         try:

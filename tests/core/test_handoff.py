@@ -99,6 +99,31 @@ async def test_after_a_refusal_items_queue_until_the_receiver_caught_up() -> Non
         nursery.cancel_scope.cancel()
 
 
+async def test_a_queued_item_skips_the_taker_and_what_follows_queues_behind_it() -> None:
+    send, receive = open_handoff[int](4)
+    calls: list[int] = []
+    receive.attach(lambda item: calls.append(item) is None)  # takes everything offered
+    got: list[int] = []
+    async with trio.open_nursery() as nursery:
+
+        async def receiver() -> None:
+            got.append(await receive.receive())
+            got.append(await receive.receive())
+
+        nursery.start_soon(receiver)
+        await trio.testing.wait_all_tasks_blocked()
+        send.send_nowait(1)  # waiting empty: taken directly
+        send.queue_nowait(2)  # never offered
+        send.send_nowait(3)  # must not overtake 2
+        assert calls == [1]
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [2, 3]
+    for n in range(4):
+        send.queue_nowait(n)  # without a receiver: bounded like any send
+    with pytest.raises(trio.WouldBlock):
+        send.queue_nowait(4)
+
+
 async def test_a_receiver_with_items_queued_takes_them_before_the_taker_runs() -> None:
     send, receive = open_handoff[int](4)
     calls: list[int] = []

@@ -555,6 +555,8 @@ class NativeBackend:
     def _dispatch(self, conn: _Connection, message: Message) -> None:
         """Route one message (synchronous: the reader never waits on a consumer)."""
         match message:
+            case Delta():  # first: nearly every frame is one
+                self._route(conn, message)
             case Pong():
                 self._on_pong(conn, message)
             case Goodbye():
@@ -570,7 +572,7 @@ class NativeBackend:
                     message.message,
                 )
                 conn.close(f"connection error {message.code}: {message.message}")
-            case StageResult() | Delta() | ErrorReply() | Released():
+            case StageResult() | ErrorReply() | Released():
                 self._route(conn, message)
             case Aborted():
                 self._on_aborted(conn, message)
@@ -599,16 +601,27 @@ class NativeBackend:
                 message.request_id,
             )
             return
-        if pending.send_channel.direct and type(message) is Delta and message.finish_reason is None:
+        if type(message) is Delta and message.finish_reason is None:
             conn.held.setdefault(pending, []).append(message)  # for the end of this read
             return
         run = conn.held.pop(pending, None)
         if run is not None:
             self._hand_over(conn, pending, run)  # the deltas before this reply go first
-        self._queue(conn, pending, message)
+        self._finish(conn, pending, message)
+
+    def _finish(self, conn: _Connection, pending: _Pending, message: _Reply) -> None:
+        """Queue the reply that ends a request (never to its sink) and settle the request."""
+        if not pending.accepting:  # the deltas before it overran
+            return
+        try:
+            pending.send_channel.queue_nowait(message)
+        except trio.WouldBlock:
+            self._overrun(conn, pending)
+            return
+        pending.settle()
 
     def _hand_over(self, conn: _Connection, pending: _Pending, run: list[Delta]) -> None:
-        """Send a stream's deltas of one read, merged (to its sink, while it takes them).
+        """Send a stream's non-final deltas of one read, merged (to its sink, while it takes them).
 
         They are merged only when the merge keeps everything
         (:func:`~epd_actors.protocol.deltas_mergeable`): how a read splits a
@@ -616,21 +629,21 @@ class NativeBackend:
         (``[server] stream_coalescing = "off"``) they go on one by one, as the
         worker framed them.
         """
-        mixed = len(run) > 1 and (not self.settings.merge_reads or not deltas_mergeable(run))
+        if len(run) == 1:  # one token per read and stream: the engine's pace
+            self._send_delta(conn, pending, run[0])
+            return
+        mixed = not self.settings.merge_reads or not deltas_mergeable(run)
         for delta in run if mixed else (merge_deltas(run),):
-            self._queue(conn, pending, delta)
+            self._send_delta(conn, pending, delta)
 
-    def _queue(self, conn: _Connection, pending: _Pending, message: _Reply) -> None:
-        """Send a reply to the request's consumer: to its sink, while it takes them, or queued."""
+    def _send_delta(self, conn: _Connection, pending: _Pending, delta: Delta) -> None:
+        """Send a non-final delta to the request's consumer: to its sink, while it takes them."""
         if not pending.accepting:
             return
         try:
-            pending.send_channel.send_nowait(message)
+            pending.send_channel.send_nowait(delta)
         except trio.WouldBlock:
             self._overrun(conn, pending)
-            return
-        if not isinstance(message, Delta) or message.finish_reason is not None:
-            pending.settle()
 
     def _overrun(self, conn: _Connection, pending: _Pending) -> None:
         """Fail the one request whose reader fell behind, and abort it on the worker."""

@@ -9,7 +9,7 @@ them and owns their lifecycle.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import trio
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ...errors import WorkerError
-    from ...handoff import HandoffReceiver, HandoffSender
+    from ...handoff import HandoffReceiver, HandoffSender, Taker
     from ...protocol import Welcome
     from ...transport.framed import FramedStream
 
@@ -346,12 +346,12 @@ class NativeDeltaStream:
         until this stream's reader has caught up and waits again, so the order
         of the deltas always holds (the hand-off channel's rule).  The terminal
         delta and errors are always queued.
+
+        ``sink`` is the channel's taker as it is: the connection's reader
+        offers it only non-final deltas (``send_nowait``) and queues every
+        other reply past it (``queue_nowait``), so no wrapper checks each reply.
         """
-
-        def take(reply: _Reply) -> bool:
-            return type(reply) is Delta and reply.finish_reason is None and sink(reply)
-
-        self._pending.receive_channel.attach(take)
+        self._pending.receive_channel.attach(cast("Taker[_Reply]", sink))
 
     async def receive(self) -> Delta:
         """The next delta.
