@@ -4,7 +4,7 @@ Starts the simulated workers of one of ``run_router_overhead.py``'s router
 scenarios (``--scenario``, default ``native-epd``: E+P+D over the native
 protocol; ``http-pd`` is P+D through the ``openai_http`` backend), runs the
 router under ``py-spy record --format raw`` for ``--seconds``, loads it with the
-bench (concurrency 32, 64 output tokens), and prints the functions with the
+bench (concurrency 32, 64 output tokens or ``--max-tokens``), and prints the functions with the
 most samples: *self* (the function was on top of the stack) and *inclusive*.
 
     pip install py-spy
@@ -39,6 +39,12 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default=None, help="keep the folded stacks here")
     parser.add_argument("--scenario", choices=ROUTER_SCENARIOS, default="native-epd")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        help="output tokens per request (1: where a request's own CPU goes)",
+    )
     add_pacing_arguments(parser)
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -53,7 +59,7 @@ def main() -> int:
             scenario.url,
             concurrency=args.concurrency,
             requests=None,
-            max_tokens=64,
+            max_tokens=args.max_tokens,
             cores=None,
             out=workdir / "bench.json",
             extra=("--duration", str(args.seconds)),
