@@ -1,5 +1,6 @@
 """Helpers of the real-vLLM lane that run without vLLM: the NIXL patch, the port picker,
-the routers' configuration and the reading of ``x-epd-timings``.
+the routers' configuration, the reading of ``x-epd-timings`` and the tiny audio model's
+weight names.
 
 The lane itself (``tests/real_vllm``, marker ``real_vllm``) proves they work
 against real engines; these tests pin their failure paths, which the lane
@@ -18,6 +19,7 @@ from epd_actors.core.config import validate
 from epd_actors.program.config_file import FileConfig, parse_config
 from epd_actors.request import RequestTimings
 from tests.real_vllm import fleet
+from tests.real_vllm.make_tiny_models import published_name
 from tests.real_vllm.patch_venv import NIXL_POLL, NIXL_SPIN, patch_nixl_progress_delay
 
 API_LINES = "        agent_config.useProgThread = nixl_conf.enable_pthread\n        {}"
@@ -123,3 +125,27 @@ def test_the_stages_a_router_ran_are_read_from_its_timings_header() -> None:
     skipped = RequestTimings(0.0, {"pd": 0.02}, None, 0.03, {"pd": ("pd",)})
     assert fleet.ran_stages(skipped.header_value()) == {"pd"}
     assert fleet.ran_stages("") == set()
+
+
+@pytest.mark.parametrize(
+    ("in_memory", "published"),
+    [
+        # transformers 5: the language model is a bare Qwen2Model, the head at the top
+        (
+            "model.language_model.layers.0.mlp.up_proj.weight",
+            "language_model.model.layers.0.mlp.up_proj.weight",
+        ),
+        ("model.language_model.norm.weight", "language_model.model.norm.weight"),
+        ("lm_head.weight", "language_model.lm_head.weight"),
+        ("model.audio_tower.conv1.weight", "audio_tower.conv1.weight"),
+        ("model.multi_modal_projector.linear.bias", "multi_modal_projector.linear.bias"),
+        # transformers 4: already the published names
+        ("language_model.model.embed_tokens.weight", "language_model.model.embed_tokens.weight"),
+        ("language_model.lm_head.weight", "language_model.lm_head.weight"),
+        ("audio_tower.layer_norm.bias", "audio_tower.layer_norm.bias"),
+    ],
+)
+def test_the_tiny_audio_model_is_written_under_the_published_names(
+    in_memory: str, published: str
+) -> None:
+    assert published_name(in_memory) == published

@@ -235,13 +235,49 @@ def build_qwen2audio(out: Path) -> None:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    Qwen2AudioForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(out)
+    model = Qwen2AudioForConditionalGeneration(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    write_published_layout(model.state_dict(), out)
+
+
+# Where transformers 5 keeps each part of Qwen2-Audio in memory, and where the published
+# checkpoints (and vLLM's loader) have it.  transformers 4 already uses the published names.
+_PUBLISHED_PREFIXES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.audio_tower.", "audio_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+
+def published_name(key: str) -> str:
+    """A Qwen2-Audio weight's name in the published checkpoints' layout."""
+    for in_memory, published in _PUBLISHED_PREFIXES:
+        if key.startswith(in_memory):
+            return published + key[len(in_memory) :]
+    return key
+
+
+def write_published_layout(state: dict[str, Any], out: Path) -> None:
+    """Replace the saved weights by ``state`` under the published checkpoints' names.
+
+    transformers 5.19 writes Qwen2-Audio's language model as
+    ``language_model.model.model.*``, which vLLM's loader cannot place ("no module or
+    parameter named 'model' in Qwen2Model").  The weights are the same tensors.
+    """
+    from safetensors.torch import save_file
+
+    for saved in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
+        saved.unlink()
+    weights = {published_name(key): tensor.contiguous() for key, tensor in state.items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 BUILDERS = {"llama": build_llama, "qwen2vl": build_qwen2vl, "qwen2audio": build_qwen2audio}
-BUILD_VERSION = {"llama": 1, "qwen2vl": 2, "qwen2audio": 1}
+BUILD_VERSION = {"llama": 1, "qwen2vl": 2, "qwen2audio": 2}
 """Bumped when a builder's output changes, so that setup_lane.sh rebuilds an older model
-(qwen2vl 2: the video placeholder in its template and its video processor)."""
+(qwen2vl 2: the video placeholder in its template and its video processor; qwen2audio 2: its
+weights under the published checkpoints' names)."""
 
 
 def main() -> int:
