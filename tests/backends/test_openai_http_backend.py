@@ -334,6 +334,21 @@ def test_openai_request_uses_completions_for_text_and_token_ids() -> None:
         openai_request(Prompt(text="hi"), (image(1),), SamplingParams(), model="m")
 
 
+def test_an_echo_request_asks_for_no_token_ids_and_refuses_logprobs() -> None:
+    """vLLM streams an echoed prompt's text only without ``return_token_ids``."""
+    path, body = openai_request(
+        Prompt(text="hi"), (), SamplingParams(), model="m", options={"echo": True}
+    )
+    assert (path, body["echo"], "return_token_ids" in body) == (COMPLETIONS_PATH, True, False)
+    _, body = openai_request(Prompt(text="hi"), (), SamplingParams(), model="m")
+    assert body["return_token_ids"] is True
+    with pytest.raises(InvalidRequest, match="echo cannot be combined with logprobs") as info:
+        openai_request(
+            Prompt(text="hi"), (), SamplingParams(logprobs=1), model="m", options={"echo": True}
+        )
+    assert info.value.param == "echo"
+
+
 def test_the_rebuilt_body_parses_back_to_the_same_request() -> None:
     """What P and D receive must describe the same prompt (the KV digest depends on it)."""
     request = chat(image(1), image(2), text="compare them", max_tokens=5, stop=("!",), seed=3)

@@ -232,6 +232,15 @@ ENGINE_ARGS += ["--kv-cache-memory-bytes", str(256 * 1024 * 1024)]
 # platform keeps this only with VLLM_ENABLE_V1_MULTIPROCESSING=0 (see VLLM_ENV); the API
 # server and the engine core are still two processes.
 ENGINE_ARGS += ["--distributed-executor-backend", "uni"]
+# vLLM 0.32 reads disable_any_whitespace only from the engine's configuration (a request's
+# structured_outputs field is ignored): without it the tiny random model fills a JSON object
+# with whitespace until max_tokens, and the matrix's structured_json case never finishes.
+# xgrammar (named: the option needs it or guidance) also takes the matrix's regex and
+# grammar cases.
+ENGINE_ARGS += [
+    "--structured-outputs-config",
+    '{"backend":"xgrammar","disable_any_whitespace":true}',
+]
 # Each tiny model's full context, so a long generation keeps D busy for seconds.
 # Qwen2-Audio's profile run takes a 30 s clip: 750 audio tokens.
 MAX_MODEL_LEN = {"llama": 2048, "qwen2vl": 4096, "qwen2audio": 2048}
@@ -239,6 +248,19 @@ MAX_MODEL_LEN = {"llama": 2048, "qwen2vl": 4096, "qwen2audio": 2048}
 
 def engine_args(model: str) -> list[str]:
     return [*ENGINE_ARGS, "--max-model-len", str(MAX_MODEL_LEN[model])]
+
+
+# What only ``vllm serve`` takes (its OpenAI server, not the engine), per model.  vLLM 0.32
+# refuses a named or ``required`` tool_choice without a tool-call parser, although such a
+# call is decoded by its JSON schema, and makes the parser only with auto tool choice on;
+# ``pythonic`` needs no special tokens in the tokenizer.  The native worker refuses tool
+# fields by name, so its engines take none.
+SERVER_ARGS = {"llama": ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]}
+
+
+def serve_args(model: str) -> list[str]:
+    """``vllm serve``'s arguments for ``model``: the engine's and the server's own."""
+    return [*engine_args(model), *SERVER_ARGS.get(model, [])]
 
 
 VLLM_ENV = {
@@ -291,7 +313,7 @@ class Engine:
 def serve_command(lane: Lane, role: Role, port: int, store: Path) -> list[str]:
     argv = [str(lane.venv / "bin" / "vllm"), "serve", str(lane.model(role.model))]
     argv += ["--host", "127.0.0.1", "--port", str(port)]
-    argv += [*engine_args(role.model), "--enable-request-id-headers"]
+    argv += [*serve_args(role.model), "--enable-request-id-headers"]
     if role.stage == "encode":
         argv += ["--mm-encoder-only", "--no-enable-prefix-caching"]
     if role.ec:
@@ -347,7 +369,7 @@ def start_plain(lane: Lane, kind: str) -> tuple[Process, str]:
     """
     port = free_port()
     argv = [str(lane.venv / "bin" / "vllm"), "serve", str(lane.model(kind))]
-    argv += ["--host", "127.0.0.1", "--port", str(port), *engine_args(kind)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), *serve_args(kind)]
     process = Process(f"plain-{kind}", argv, lane.logs / f"plain-{kind}.log", dict(VLLM_ENV))
     process.start()
     return process, f"http://127.0.0.1:{port}"

@@ -53,7 +53,10 @@ def build_llama(out: Path) -> None:
     tokenizer = train_tokenizer(
         ["<s>", "</s>", "<pad>"], bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
+    # ``preamble``: a template variable for the matrix's chat_template_kwargs case (vLLM passes
+    # a kwarg on only when the template reads it); without it the rendering is unchanged.
     tokenizer.chat_template = (
+        "{% if preamble is defined %}{{ preamble }}\n{% endif %}"
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
@@ -274,10 +277,11 @@ def write_published_layout(state: dict[str, Any], out: Path) -> None:
 
 
 BUILDERS = {"llama": build_llama, "qwen2vl": build_qwen2vl, "qwen2audio": build_qwen2audio}
-BUILD_VERSION = {"llama": 1, "qwen2vl": 2, "qwen2audio": 2}
+BUILD_VERSION = {"llama": 2, "qwen2vl": 2, "qwen2audio": 2}
 """Bumped when a builder's output changes, so that setup_lane.sh rebuilds an older model
-(qwen2vl 2: the video placeholder in its template and its video processor; qwen2audio 2: its
-weights under the published checkpoints' names)."""
+(llama 2: a ``preamble`` variable in its template; qwen2vl 2: the video placeholder in its
+template and its video processor; qwen2audio 2: its weights under the published checkpoints'
+names)."""
 
 
 def main() -> int:

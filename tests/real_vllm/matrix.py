@@ -421,7 +421,9 @@ def build_cases(model: Model, facts: Facts) -> list[Case]:
         Case("special_forced", special),
         Case("skip_special_tokens", {"skip_special_tokens": False, **special}, "special_forced"),
         # the chat template
-        Case("chat_template_kwargs", {"chat_template_kwargs": {"add_generation_prompt": False}}),
+        # A variable the tiny Llama's template reads: vLLM 0.32 lays the request's own fields
+        # (add_generation_prompt...) over chat_template_kwargs, so those cannot show it.
+        Case("chat_template_kwargs", {"chat_template_kwargs": {"preamble": "Answer in one word."}}),
         Case("add_generation_prompt", {"add_generation_prompt": False}),
         Case("assistant_turn", {}, base=assistant_turn_base),
         Case(

@@ -6,9 +6,12 @@ encoder-cache entry depends only on the case, and the answers of a plain
 engine and of the router can be compared token by token.
 
 * :func:`raw_avi`: an AVI (RIFF) file of ``rgb24`` frames, stored the way the
-  format keeps uncompressed video (``BI_RGB``: bottom-up rows of BGR pixels,
-  each row padded to four bytes), with the ``idx1`` index; FFmpeg (which both
-  OpenCV and PyAV use) reads it as ``rawvideo``.
+  format keeps uncompressed video (``BI_RGB``: rows of BGR pixels, each row
+  padded to four bytes), with the ``idx1`` index; FFmpeg (which both OpenCV and
+  PyAV use) reads it as ``rawvideo``.  The rows are stored top-down (a negative
+  height in the stream format): OpenCV 5.1, which ``vllm serve`` decodes video
+  with, corrupts its heap on bottom-up ``BI_RGB`` frames ("malloc_consolidate():
+  invalid chunk size", or SIGSEGV in ``sws_scale_frame``).
 * :func:`tone_wav`: a mono 16-bit PCM WAV (the standard library's ``wave``) of
   one sine tone, at 16 kHz, the rate Whisper-style feature extractors expect,
   so no engine resamples it.
@@ -109,7 +112,8 @@ def raw_avi(
         width,
         height,
     )
-    strf = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, size, 0, 0, 0, 0)
+    # BITMAPINFOHEADER; the negative height says the rows run top-down (see the module doc).
+    strf = struct.pack("<IiiHHIIiiII", 40, width, -height, 1, 24, 0, size, 0, 0, 0, 0)
     header = _list(
         b"hdrl", _chunk(b"avih", avih), _list(b"strl", _chunk(b"strh", strh), _chunk(b"strf", strf))
     )

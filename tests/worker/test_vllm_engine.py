@@ -1068,7 +1068,7 @@ def test_worker_with_vllm_engine_but_no_vllm_exits_2_with_install_hint() -> None
 
 
 def test_template_options_reach_the_chat_template_as_vllm_passes_them() -> None:
-    """Explicit fields first, then ``chat_template_kwargs`` over them (vLLM's order)."""
+    """``chat_template_kwargs`` first, the request's own fields over them (vLLM 0.32's order)."""
     from epd_actors.worker.engines.vllm_io import render_prompt
 
     seen: list[dict[str, object]] = []
@@ -1084,7 +1084,11 @@ def test_template_options_reach_the_chat_template_as_vllm_passes_them() -> None:
     options = {
         "add_generation_prompt": False,
         "continue_final_message": True,
-        "chat_template_kwargs": {"enable_thinking": False, "continue_final_message": False},
+        "chat_template_kwargs": {
+            "enable_thinking": False,
+            "continue_final_message": False,
+            "tokenize": True,
+        },
     }
     rendered = render_prompt(prompt, (), tokenizer=Recording(), options=options)
     assert rendered.prompt == {"prompt": "rendered"}
@@ -1092,7 +1096,16 @@ def test_template_options_reach_the_chat_template_as_vllm_passes_them() -> None:
         {
             "tokenize": False,
             "add_generation_prompt": False,
-            "continue_final_message": False,
+            "continue_final_message": True,
             "enable_thinking": False,
         }
+    ]
+    # Only the kwargs: the fields' defaults still win over them, as in vLLM's server.
+    seen.clear()
+    only_kwargs = {
+        "chat_template_kwargs": {"add_generation_prompt": False, "continue_final_message": True}
+    }
+    render_prompt(prompt, (), tokenizer=Recording(), options=only_kwargs)
+    assert seen == [
+        {"tokenize": False, "add_generation_prompt": True, "continue_final_message": False}
     ]

@@ -157,9 +157,18 @@ def openai_request(
         path = COMPLETIONS_PATH
         body["prompt"] = prompt.text if prompt.text is not None else list(prompt.token_ids or ())
     body.update(_sampling(sampling, chat=path == CHAT_PATH))
+    echo = bool(options and options.get("echo"))
+    if echo and sampling.logprobs is not None:
+        # The stream below carries no token ids, and the relay takes logprobs only with them.
+        raise InvalidRequest(
+            "echo cannot be combined with logprobs when the worker is a vLLM server",
+            param="echo",
+        )
     if options:
         body.update(options)
-    if return_token_ids:
+    if return_token_ids and not echo:
+        # vLLM 0.32 streams an echoed prompt only as prompt_token_ids when token ids are
+        # asked for, its text left out of the chunks; without them the text comes whole.
         body["return_token_ids"] = True
     return path, body
 

@@ -289,13 +289,14 @@ def _apply_template(
             ErrorCode.ENGINE_ERROR,
             "the model has no chat template; start the worker with --chat-template",
         )
-    options: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
-    for name in ("add_generation_prompt", "continue_final_message"):
-        if name in template_options:
-            options[name] = template_options[name]
+    # vLLM 0.32's server lays the request's own fields over ``chat_template_kwargs``
+    # (``merge_kwargs``): a key of both is the field's, even when only its default was sent.
     kwargs = template_options.get("chat_template_kwargs")
-    if isinstance(kwargs, dict):  # last, as vLLM's server lays them over its own arguments
-        options.update(kwargs)
+    options: dict[str, Any] = dict(kwargs) if isinstance(kwargs, dict) else {}
+    options["add_generation_prompt"] = template_options.get("add_generation_prompt", True)
+    if "continue_final_message" in template_options or "continue_final_message" in options:
+        options["continue_final_message"] = template_options.get("continue_final_message", False)
+    options["tokenize"] = False
     if template is not None:
         options["chat_template"] = template
     try:
