@@ -66,7 +66,14 @@ from ..http.server_connection import ClientGone, Refusal, whole_response
 from ..logs import ACCESS_LOGGER
 from ..openai.body_checks import reject_lone_surrogates, unknown_model
 from ..openai.errors import HttpError, error_response
-from ..openai.format import AnswerBuilder, SseFormatter, compact_json, error_body, unix_time
+from ..openai.format import (
+    AnswerBuilder,
+    SseFormatter,
+    compact_json,
+    error_body,
+    forces_tool_calls,
+    unix_time,
+)
 from ..openai.schema import ParsedRequest, parse_chat_completion, parse_completion
 from ..openai.sse import render_batch
 from ..request import PRIORITIES, DeltaEvent, DoneEvent, ErrorEvent, new_request_id
@@ -395,7 +402,9 @@ class HttpConnection:
             raise failure
 
     async def _unary(self, parsed: ParsedRequest) -> None:
-        answer = AnswerBuilder(parsed.kind, logprobs=parsed.logprobs)
+        answer = AnswerBuilder(
+            parsed.kind, logprobs=parsed.logprobs, forced_tools=forces_tool_calls(parsed.options)
+        )
         final: GenerationEvent | None = None
         async with self.app.generate(parsed.request) as events:
             async for final in events:

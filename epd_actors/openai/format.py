@@ -42,7 +42,7 @@ from ..protocol import merge_delta_fields
 from .engine_text import EngineText
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from ..protocol import TokenLogprob, Usage
     from ..request import DeltaEvent
@@ -199,12 +199,22 @@ def _completion_tops(
     ]
 
 
-def chat_message(text: str, fields: dict[str, object] | None) -> dict[str, object]:
+def forces_tool_calls(options: Mapping[str, object] | None) -> bool:
+    """Whether a request's ``tool_choice`` forces tool calls: a named function, or ``required``."""
+    choice = (options or {}).get("tool_choice")
+    return choice == "required" or isinstance(choice, dict)
+
+
+def chat_message(
+    text: str, fields: dict[str, object] | None, *, forced_tools: bool = False
+) -> dict[str, object]:
     """A non-streamed chat ``message``: the text and the accumulated delta ``fields``.
 
     ``tool_calls`` lose the stream's ``index`` (a message lists them in
-    order); ``content`` is null when the answer is only tool calls, as
-    OpenAI and vLLM give it.
+    order).  When the answer is only tool calls, ``content`` is null, as
+    OpenAI and vLLM give it for calls the model chose, and ``""`` when the
+    request forced them (``forced_tools``: :func:`forces_tool_calls`), as
+    vLLM 0.32 answers a named or ``required`` tool_choice.
     """
     message: dict[str, object] = {"role": "assistant", "content": text}
     if not fields:
@@ -215,7 +225,7 @@ def chat_message(text: str, fields: dict[str, object] | None) -> dict[str, objec
         elif key not in message:
             message[key] = value
     if not text and message.get("tool_calls"):
-        message["content"] = None
+        message["content"] = "" if forced_tools else None
     return message
 
 
@@ -236,15 +246,16 @@ def response_body(
     usage: Usage,
     logprobs: dict[str, object] | None = None,
     fields: dict[str, object] | None = None,
+    forced_tools: bool = False,
 ) -> dict[str, object]:
     """A non-streaming ``chat.completion`` or ``text_completion`` object.
 
     ``fields`` are the chat deltas' other keys, accumulated (see
-    :func:`chat_message`); a completion has none.
+    :func:`chat_message`, which also takes ``forced_tools``); a completion has none.
     """
     choice: dict[str, object] = {"index": 0}
     if kind == "chat":
-        choice["message"] = chat_message(text, fields)
+        choice["message"] = chat_message(text, fields, forced_tools=forced_tools)
     else:
         choice["text"] = text
     choice["logprobs"] = logprobs
@@ -385,10 +396,13 @@ class AnswerBuilder:
     Args:
         kind: ``chat`` or ``completion``.
         logprobs: whether the request asked for log-probabilities.
+        forced_tools: the request's ``tool_choice`` forced tool calls (see
+            :func:`chat_message`).
     """
 
     __slots__ = (
         "_fields",
+        "_forced_tools",
         "_kind",
         "_logprobs",
         "_texts",
@@ -398,9 +412,10 @@ class AnswerBuilder:
         "_wanted",
     )
 
-    def __init__(self, kind: Kind, *, logprobs: bool) -> None:
+    def __init__(self, kind: Kind, *, logprobs: bool, forced_tools: bool = False) -> None:
         self._kind: Kind = kind
         self._wanted = logprobs
+        self._forced_tools = forced_tools
         self._texts: list[str] = []
         self._token_ids: list[int] = []
         self._logprobs: list[float] = []
@@ -440,4 +455,5 @@ class AnswerBuilder:
             usage=usage,
             logprobs=logprobs,
             fields=self._fields,
+            forced_tools=self._forced_tools,
         )

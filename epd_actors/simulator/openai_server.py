@@ -81,6 +81,7 @@ from ..openai.fields import TRANSFER_FIELDS, FieldPolicy
 from ..openai.format import (
     AnswerBuilder,
     error_body,
+    forces_tool_calls,
     logprobs_body,
     response_body,
     response_id,
@@ -645,7 +646,9 @@ class SimOpenAIServer:
         if not deltas:
             raise EngineError(ErrorCode.INTERNAL, "the engine ended without a final delta")
         final, parsed = deltas[-1], exchange.parsed
-        answer = AnswerBuilder(parsed.kind, logprobs=parsed.logprobs)
+        answer = AnswerBuilder(
+            parsed.kind, logprobs=parsed.logprobs, forced_tools=forces_tool_calls(parsed.options)
+        )
         for delta in deltas:
             answer.add(delta)
         body = answer.body(

@@ -393,6 +393,35 @@ async def test_a_non_streamed_answer_has_the_tool_calls_of_the_stream() -> None:
     }
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "content"),
+    [
+        ("auto", None),
+        ("required", ""),
+        ({"type": "function", "function": {"name": "get_weather"}}, ""),
+    ],
+    ids=["chosen", "required", "named"],
+)
+async def test_forced_tool_calls_come_with_empty_content_as_vllm_answers_them(
+    tool_choice: object, content: str | None
+) -> None:
+    body = {**CHAT_ONLY, "tools": [WEATHER], "tool_choice": tool_choice}
+    async with canned_router(canned_stream(TOOL_CALL_DELTAS, "tool_calls")) as router:
+        reply = json.loads(await post(router, "/v1/chat/completions", body))
+    message = reply["choices"][0]["message"]
+    assert message["content"] == content
+    assert [call["function"]["name"] for call in message["tool_calls"]] == ["get_weather"]
+
+
 async def test_a_non_streamed_answer_has_the_reasoning_of_the_stream() -> None:
     async with canned_router(canned_stream(REASONING_DELTAS, "stop")) as router:
         reply = json.loads(await post(router, "/v1/chat/completions", CHAT_ONLY))
