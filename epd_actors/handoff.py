@@ -135,11 +135,6 @@ class HandoffSender(_End[T]):
 
     __slots__ = ()
 
-    @property
-    def direct(self) -> bool:
-        """The receiver waits with nothing queued: the next item goes to its taker."""
-        return self._shared.direct
-
     def send_nowait(self, item: T) -> None:
         """Hand ``item`` to the taker if the receiver waits on nothing, else queue it.
 
