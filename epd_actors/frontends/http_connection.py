@@ -71,7 +71,7 @@ from ..openai.format import (
     SseFormatter,
     compact_json,
     error_body,
-    forces_tool_calls,
+    tool_forcing,
     unix_time,
 )
 from ..openai.schema import ParsedRequest, parse_chat_completion, parse_completion
@@ -403,7 +403,7 @@ class HttpConnection:
 
     async def _unary(self, parsed: ParsedRequest) -> None:
         answer = AnswerBuilder(
-            parsed.kind, logprobs=parsed.logprobs, forced_tools=forces_tool_calls(parsed.options)
+            parsed.kind, logprobs=parsed.logprobs, forced_tools=tool_forcing(parsed.options)
         )
         final: GenerationEvent | None = None
         async with self.app.generate(parsed.request) as events:

@@ -199,34 +199,68 @@ def _completion_tops(
     ]
 
 
-def forces_tool_calls(options: Mapping[str, object] | None) -> bool:
-    """Whether a request's ``tool_choice`` forces tool calls: a named function, or ``required``."""
+ToolForcing = Literal["named", "required"]
+"""How a request's ``tool_choice`` forces tool calls: one named function, or ``required``."""
+
+
+def tool_forcing(options: Mapping[str, object] | None) -> ToolForcing | None:
+    """How a request's ``tool_choice`` forces tool calls, or None when it does not."""
     choice = (options or {}).get("tool_choice")
-    return choice == "required" or isinstance(choice, dict)
+    if choice == "required":
+        return "required"
+    return "named" if isinstance(choice, dict) else None
 
 
 def chat_message(
-    text: str, fields: dict[str, object] | None, *, forced_tools: bool = False
+    text: str, fields: dict[str, object] | None, *, forced_tools: ToolForcing | None = None
 ) -> dict[str, object]:
     """A non-streamed chat ``message``: the text and the accumulated delta ``fields``.
 
     ``tool_calls`` lose the stream's ``index`` (a message lists them in
     order).  When the answer is only tool calls, ``content`` is null, as
     OpenAI and vLLM give it for calls the model chose, and ``""`` when the
-    request forced them (``forced_tools``: :func:`forces_tool_calls`), as
-    vLLM 0.32 answers a named or ``required`` tool_choice.
+    request forced them (``forced_tools``: :func:`tool_forcing`), as vLLM
+    0.32 answers a named or ``required`` tool_choice.
+
+    For ``required``, vLLM's non-streamed answer parses the generated list
+    of calls and writes each call's arguments again with Python's
+    ``json.dumps`` (``", "`` and ``": "`` between items, non-ASCII kept),
+    while its stream carries the arguments as generated.  So a call's
+    arguments that are whole JSON are written the same way here; arguments
+    cut short (``finish_reason`` ``length``) stay as they came.
     """
     message: dict[str, object] = {"role": "assistant", "content": text}
     if not fields:
         return message
     for key, value in fields.items():
         if key == "tool_calls" and isinstance(value, list):
-            message[key] = [_call_without_index(call) for call in value]
+            rewrite = forced_tools == "required"
+            message[key] = [_message_call(call, rewrite_arguments=rewrite) for call in value]
         elif key not in message:
             message[key] = value
     if not text and message.get("tool_calls"):
         message["content"] = "" if forced_tools else None
     return message
+
+
+def _message_call(call: object, *, rewrite_arguments: bool) -> object:
+    if not isinstance(call, dict):
+        return call
+    listed = {key: value for key, value in call.items() if key != "index"}
+    function = listed.get("function")
+    if rewrite_arguments and isinstance(function, dict):
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            listed["function"] = {**function, "arguments": _as_vllm_writes(arguments)}
+    return listed
+
+
+def _as_vllm_writes(arguments: str) -> str:
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return json.dumps(parsed, ensure_ascii=False)
 
 
 def _call_without_index(call: object) -> object:
@@ -246,7 +280,7 @@ def response_body(
     usage: Usage,
     logprobs: dict[str, object] | None = None,
     fields: dict[str, object] | None = None,
-    forced_tools: bool = False,
+    forced_tools: ToolForcing | None = None,
 ) -> dict[str, object]:
     """A non-streaming ``chat.completion`` or ``text_completion`` object.
 
@@ -396,8 +430,8 @@ class AnswerBuilder:
     Args:
         kind: ``chat`` or ``completion``.
         logprobs: whether the request asked for log-probabilities.
-        forced_tools: the request's ``tool_choice`` forced tool calls (see
-            :func:`chat_message`).
+        forced_tools: how the request's ``tool_choice`` forced tool calls, if
+            it did (see :func:`chat_message`).
     """
 
     __slots__ = (
@@ -412,7 +446,9 @@ class AnswerBuilder:
         "_wanted",
     )
 
-    def __init__(self, kind: Kind, *, logprobs: bool, forced_tools: bool = False) -> None:
+    def __init__(
+        self, kind: Kind, *, logprobs: bool, forced_tools: ToolForcing | None = None
+    ) -> None:
         self._kind: Kind = kind
         self._wanted = logprobs
         self._forced_tools = forced_tools

@@ -81,10 +81,10 @@ from ..openai.fields import TRANSFER_FIELDS, FieldPolicy
 from ..openai.format import (
     AnswerBuilder,
     error_body,
-    forces_tool_calls,
     logprobs_body,
     response_body,
     response_id,
+    tool_forcing,
     unix_time,
     usage_body,
 )
@@ -647,7 +647,7 @@ class SimOpenAIServer:
             raise EngineError(ErrorCode.INTERNAL, "the engine ended without a final delta")
         final, parsed = deltas[-1], exchange.parsed
         answer = AnswerBuilder(
-            parsed.kind, logprobs=parsed.logprobs, forced_tools=forces_tool_calls(parsed.options)
+            parsed.kind, logprobs=parsed.logprobs, forced_tools=tool_forcing(parsed.options)
         )
         for delta in deltas:
             answer.add(delta)

@@ -422,6 +422,45 @@ async def test_forced_tool_calls_come_with_empty_content_as_vllm_answers_them(
     assert [call["function"]["name"] for call in message["tool_calls"]] == ["get_weather"]
 
 
+def compact_call_deltas(arguments: str) -> list[dict[str, object]]:
+    """A tool call streamed as vLLM streams a ``required`` tool_choice: the arguments as
+    generated (no whitespace under xgrammar's ``disable_any_whitespace``)."""
+    return [
+        *TOOL_CALL_DELTAS[:2],
+        {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "generated", "answered"),
+    [
+        (
+            "required",
+            '{"city":"Z\u00fcrich","days":[1,2.5]}',
+            '{"city": "Zürich", "days": [1, 2.5]}',
+        ),
+        ("required", '{"city":"Zür', '{"city":"Zür'),
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            '{"city":"Paris"}',
+            '{"city":"Paris"}',
+        ),
+        ("auto", '{"city":"Paris"}', '{"city":"Paris"}'),
+    ],
+    ids=["required-rewritten", "required-cut-short-kept", "named-kept", "chosen-kept"],
+)
+async def test_required_tool_calls_have_their_arguments_written_as_vllm_writes_them(
+    tool_choice: object, generated: str, answered: str
+) -> None:
+    """vLLM's non-streamed answer to ``tool_choice: required`` writes each call's arguments
+    again with ``json.dumps``; a named or chosen call keeps them as generated."""
+    body = {**CHAT_ONLY, "tools": [WEATHER], "tool_choice": tool_choice}
+    async with canned_router(canned_stream(compact_call_deltas(generated), "tool_calls")) as router:
+        reply = json.loads(await post(router, "/v1/chat/completions", body))
+    [call] = reply["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": answered}
+
+
 async def test_a_non_streamed_answer_has_the_reasoning_of_the_stream() -> None:
     async with canned_router(canned_stream(REASONING_DELTAS, "stop")) as router:
         reply = json.loads(await post(router, "/v1/chat/completions", CHAT_ONLY))

@@ -472,14 +472,14 @@ def build_cases(model: Model, facts: Facts) -> list[Case]:
                 "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
                 **structured,
             },
-            check=forced_tool_call(WEATHER_TOOL),
+            check=forced_tool_call(WEATHER_TOOL, only_one=True),
         ),
         Case(
             "tool_choice_required",
             # A list of calls, each naming its function: more than CONSTRAINED_TOKENS of the
             # tiny Llama's tokens, cut short of a whole call at 32 (no tool call at all).
             {"tools": [WEATHER_TOOL], "tool_choice": "required", "max_tokens": REQUIRED_TOKENS},
-            check=forced_tool_call(WEATHER_TOOL),
+            check=forced_tool_call(WEATHER_TOOL, only_one=False),
         ),
     ]
 
@@ -537,9 +537,13 @@ def matches(pattern: str) -> Callable[[Reply, Validator], list[str]]:
     return check
 
 
-def forced_tool_call(tool: dict[str, Any]) -> Callable[[Reply, Validator], list[str]]:
-    """The answer, read with the official ``openai`` client's types, calls ``tool`` once,
-    its arguments valid against the tool's parameters (when the answer finished)."""
+def forced_tool_call(
+    tool: dict[str, Any], *, only_one: bool
+) -> Callable[[Reply, Validator], list[str]]:
+    """The answer, read with the official ``openai`` client's types, calls ``tool`` (once when
+    ``only_one``: a named tool_choice; at least once for ``required``, where the model may list
+    several calls), each call's arguments valid against the tool's parameters (when the answer
+    finished)."""
     name = tool["function"]["name"]
     parameters = tool["function"]["parameters"]
 
@@ -550,18 +554,24 @@ def forced_tool_call(tool: dict[str, Any]) -> Callable[[Reply, Validator], list[
             return [f"the openai client cannot read the answer: {exc}"]
         choice = completion.choices[0]
         calls = choice.message.tool_calls or []
-        if len(calls) != 1:
-            return [f"expected one tool call, got {len(calls)}: {choice.message}"]
-        function = getattr(calls[0], "function", None)
-        if function is None or function.name != name:
-            return [f"expected a call of {name}, got {calls[0]}"]
-        if choice.finish_reason == "length":
-            return []  # cut short: the arguments need not be complete JSON
-        try:
-            arguments = json.loads(function.arguments)
-        except ValueError as exc:
-            return [f"the tool call's arguments are not JSON ({exc}): {function.arguments!r}"]
-        return validate(arguments, parameters)
+        if not calls or (only_one and len(calls) != 1):
+            wanted = "one tool call" if only_one else "a tool call"
+            return [f"expected {wanted}, got {len(calls)}: {choice.message}"]
+        problems: list[str] = []
+        for call in calls:
+            function = getattr(call, "function", None)
+            if function is None or function.name != name:
+                problems.append(f"expected a call of {name}, got {call}")
+            elif choice.finish_reason != "length":  # cut short: arguments may be incomplete
+                try:
+                    arguments = json.loads(function.arguments)
+                except ValueError as exc:
+                    problems.append(
+                        f"the tool call's arguments are not JSON ({exc}): {function.arguments!r}"
+                    )
+                else:
+                    problems.extend(validate(arguments, parameters))
+        return problems
 
     return check
 

@@ -323,28 +323,35 @@ def test_an_error_from_either_side_fails_a_compared_case() -> None:
     )
 
 
-def tool_reply(name: str, arguments: str, finish: str = "stop") -> Reply:
+def tool_reply(name: str, arguments: str, finish: str = "stop", *, calls: int = 1) -> Reply:
     call = {"id": "call-1", "type": "function", "function": {"name": name, "arguments": arguments}}
-    return chat_reply("", tool_calls=[call], finish=finish)
+    return chat_reply("", tool_calls=[call] * calls, finish=finish)
 
 
 @pytest.mark.parametrize(
-    ("reply", "problem"),
+    ("reply", "only_one", "problem"),
     [
-        (tool_reply("get_weather", '{"unit": "c"}'), None),
-        (tool_reply("get_weather", '{"unit": "c'), "not JSON"),
-        (tool_reply("get_weather", '{"unit": "c', finish="length"), None),
-        (tool_reply("get_weather", '{"unit": "k"}'), "invalid"),
-        (tool_reply("get_time", '{"unit": "c"}'), "expected a call of get_weather"),
-        (chat_reply("sunny"), "expected one tool call, got 0"),
-        (Reply(200, {"choices": "none"}), "the openai client cannot read the answer"),
+        (tool_reply("get_weather", '{"unit": "c"}'), True, None),
+        (tool_reply("get_weather", '{"unit": "c'), True, "not JSON"),
+        (tool_reply("get_weather", '{"unit": "c', finish="length"), True, None),
+        (tool_reply("get_weather", '{"unit": "k"}'), True, "invalid"),
+        (tool_reply("get_time", '{"unit": "c"}'), True, "expected a call of get_weather"),
+        (chat_reply("sunny"), True, "expected one tool call, got 0"),
+        (chat_reply("sunny"), False, "expected a tool call, got 0"),
+        (tool_reply("get_weather", '{"unit": "c"}', calls=2), True, "expected one tool call"),
+        (tool_reply("get_weather", '{"unit": "c"}', calls=2), False, None),
+        (tool_reply("get_weather", '{"unit": "k"}', calls=2), False, "invalid"),
+        (Reply(200, {"choices": "none"}), True, "the openai client cannot read the answer"),
     ],
-    ids=["valid", "cut-json", "cut-short", "schema", "other-tool", "no-call", "unreadable"],
-)
+    ids=[
+        "valid", "cut-json", "cut-short", "schema", "other-tool", "no-call", "required-no-call",
+        "named-two-calls", "required-two-calls", "required-schema", "unreadable",
+    ],
+)  # fmt: skip
 def test_a_forced_tool_call_is_read_with_the_openai_client_types(
-    reply: Reply, problem: str | None
+    reply: Reply, only_one: bool, problem: str | None
 ) -> None:
-    check = matrix.forced_tool_call(matrix.WEATHER_TOOL)
+    check = matrix.forced_tool_call(matrix.WEATHER_TOOL, only_one=only_one)
     found = check(reply, lambda instance, schema: [] if instance == {"unit": "c"} else ["invalid"])
     assert found == [] if problem is None else problem in found[0], found
 
