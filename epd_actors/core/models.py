@@ -115,14 +115,25 @@ class ModelCatalog:
         cards += [ModelCard(name, parent) for name, parent in adapters.items()]
         return cards
 
+    def serves(self, name: str) -> bool:
+        """Whether a request may name ``name``: the ``id`` of one of :meth:`cards`.
+
+        Per request, so it builds no cards: a served model or a configured
+        adapter is found without asking any worker; only another name looks
+        through the adapters the workers announced.
+        """
+        if name in self._models or name in self._adapters:
+            return True
+        return any(
+            name in member.backend.status().adapters
+            for pool in self._pools
+            if pool.model is not None
+            for member in pool.members
+        )
+
     def names(self) -> list[str]:
         """The ``id`` of every card."""
         return [card.id for card in self.cards()]
-
-
-def model_ids(models: Sequence[str | ModelCard]) -> list[str]:
-    """The names a request may give, of models given as names or cards."""
-    return [model if isinstance(model, str) else model.id for model in models]
 
 
 def model_list_body(models: Sequence[str | ModelCard]) -> dict[str, object]:

@@ -145,6 +145,10 @@ class Router:
         """Every model the pools serve, then every LoRA adapter (``/v1/models``)."""
         return self.supervisor.catalog.cards()
 
+    def serves_model(self, name: str) -> bool:
+        """Whether ``name`` is the ``id`` of one of :meth:`model_cards` (checked per request)."""
+        return self.supervisor.catalog.serves(name)
+
     def statistics(self) -> RouterStatistics:
         return RouterStatistics(
             supervisor=self.supervisor.statistics(),

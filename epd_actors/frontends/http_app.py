@@ -114,6 +114,10 @@ class HttpApp(Protocol):
         """
         ...
 
+    def serves(self, model: str) -> bool:
+        """Whether a request may name ``model``: one of :meth:`models` (asked per request)."""
+        ...
+
     def health(self) -> tuple[int, dict[str, object]]:
         """``(status, body)`` of ``/health``."""
         ...
@@ -151,6 +155,9 @@ class RouterHttpApp:
     def models(self) -> Sequence[str | ModelCard]:
         """Every model the pools serve, then every LoRA adapter (configured or announced)."""
         return self.router.model_cards()
+
+    def serves(self, model: str) -> bool:
+        return self.router.serves_model(model)
 
     def health(self) -> tuple[int, dict[str, object]]:
         stats = self.router.statistics()

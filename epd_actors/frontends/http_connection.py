@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 import h11
 import trio
 
-from ..core.models import model_ids, model_list_body
+from ..core.models import model_list_body
 from ..errors import ActorCrashed, EpdError, InvalidRequest, Unauthorized
 from ..http.body import body_framer
 from ..http.server_connection import ClientGone, Refusal, whole_response
@@ -368,7 +368,7 @@ class HttpConnection:
                 f"x-epd-priority must be one of {', '.join(PRIORITIES)}", param="x-epd-priority"
             )
         parsed = replace(parsed, priority=priority, traceparent=headers.get("traceparent"))
-        if parsed.model not in model_ids(self.app.models()):
+        if not self.app.serves(parsed.model):
             raise unknown_model(parsed.model)
         if parsed.pending:
             parsed = await resolve_media(parsed, limits=self.settings.media, fetcher=self._fetcher)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import pytest
 import trio
@@ -17,6 +18,7 @@ import trio.testing
 from trio_websocket import open_websocket_url
 
 from epd_actors.core.config import ModelConfig, PoolConfig, RouterConfig, WorkerEndpoint
+from epd_actors.core.models import ModelCatalog
 from epd_actors.core.router import open_router
 from epd_actors.errors import AdapterLoadFailed, ConfigError, ModelNotFound, RemoteWorkerError
 from epd_actors.frontends.http_app import RouterHttpApp
@@ -35,6 +37,7 @@ from tests.memory_fleet import TOKEN, MemoryFleet, worker
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from epd_actors.core.pool import WorkerPool
     from epd_actors.core.router import Router
     from epd_actors.request import GenerationEvent
 
@@ -410,3 +413,44 @@ def test_bad_model_configurations_name_the_key(
     with pytest.raises(ConfigError) as refused:
         RouterConfig(pools, model=ALPHA, models=models)
     assert str(refused.value) == message
+
+
+@dataclass
+class _Status:
+    adapters: frozenset[str]
+
+
+@dataclass
+class _Backend:
+    adapters: frozenset[str]
+
+    def status(self) -> _Status:
+        return _Status(self.adapters)
+
+
+@dataclass
+class _Member:
+    backend: _Backend
+
+
+@dataclass
+class _Pool:
+    model: str | None
+    members: list[_Member]
+
+
+@pytest.mark.parametrize("name", [ALPHA, BETA, "sql", "chat-lora", "hidden", "gamma", ""])
+def test_the_per_request_model_check_agrees_with_the_model_cards(name: str) -> None:
+    """``serves`` (asked per request) answers as the ``/v1/models`` list reads: served models,
+    configured adapters, adapters announced by workers of a named model, nothing else."""
+    pools = [
+        _Pool(ALPHA, [_Member(_Backend(frozenset())), _Member(_Backend(frozenset({"sql"})))]),
+        _Pool(BETA, [_Member(_Backend(frozenset()))]),
+        _Pool(None, [_Member(_Backend(frozenset({"hidden"})))]),
+    ]
+    catalog = ModelCatalog(
+        cast("list[WorkerPool]", pools), default_model=ALPHA, adapters={"chat-lora": ALPHA}
+    )
+    listed = [card.id for card in catalog.cards()]
+    assert listed == [ALPHA, BETA, "chat-lora", "sql"]
+    assert catalog.serves(name) == (name in listed)

@@ -197,6 +197,9 @@ class ScriptedApp:
     def models(self) -> list[str]:
         return ["m"]
 
+    def serves(self, model: str) -> bool:
+        return model in self.models()
+
     def health(self) -> tuple[int, dict[str, object]]:
         return 200, {"status": "ok"}
 
