@@ -227,7 +227,8 @@ def chat_message(
     ``json.dumps`` (``", "`` and ``": "`` between items, non-ASCII kept),
     while its stream carries the arguments as generated.  So a call's
     arguments that are whole JSON are written the same way here; arguments
-    cut short (``finish_reason`` ``length``) stay as they came.
+    that do not parse stay as they came (and :func:`response_body` drops the
+    calls of a ``required`` answer cut short, as vLLM answers it).
     """
     message: dict[str, object] = {"role": "assistant", "content": text}
     if not fields:
@@ -289,6 +290,9 @@ def response_body(
     """
     choice: dict[str, object] = {"index": 0}
     if kind == "chat":
+        if forced_tools == "required" and finish_reason == "length" and fields:
+            # vLLM parses a required list of calls whole: cut short, it lists none.
+            fields = {key: value for key, value in fields.items() if key != "tool_calls"}
         choice["message"] = chat_message(text, fields, forced_tools=forced_tools)
     else:
         choice["text"] = text

@@ -461,6 +461,27 @@ async def test_required_tool_calls_have_their_arguments_written_as_vllm_writes_t
     assert call["function"] == {"name": "get_weather", "arguments": answered}
 
 
+@pytest.mark.parametrize(
+    ("tool_choice", "calls"),
+    [("required", 0), ({"type": "function", "function": {"name": "get_weather"}}, 1), ("auto", 1)],
+    ids=["required-none", "named-kept", "chosen-kept"],
+)
+async def test_a_required_list_of_calls_cut_short_has_no_calls_as_vllm_answers_it(
+    tool_choice: object, calls: int
+) -> None:
+    """vLLM parses a ``required`` answer's list of calls whole: cut short by ``max_tokens``, its
+    non-streamed answer lists no call and has empty content (the stream had the partial call)."""
+    body = {**CHAT_ONLY, "tools": [WEATHER], "tool_choice": tool_choice}
+    cut = canned_stream(compact_call_deltas('{"city":"Pa'), "length")
+    async with canned_router(cut) as router:
+        reply = json.loads(await post(router, "/v1/chat/completions", body))
+    [choice] = reply["choices"]
+    assert choice["finish_reason"] == "length"
+    assert len(choice["message"].get("tool_calls") or []) == calls
+    if not calls:
+        assert choice["message"]["content"] == ""
+
+
 async def test_a_non_streamed_answer_has_the_reasoning_of_the_stream() -> None:
     async with canned_router(canned_stream(REASONING_DELTAS, "stop")) as router:
         reply = json.loads(await post(router, "/v1/chat/completions", CHAT_ONLY))
