@@ -141,6 +141,9 @@ class OpenAIServerSettings:
         body_timeout_s: time to receive one body (seconds).
         write_timeout_s: time one write may take before the client counts as gone (seconds).
         max_connections: connections served at once; more are closed at once.
+            Above the most streams a benchmark puts on one worker (1,024), with
+            room for the router's probes and the request-log reads beside them
+            (vLLM's own server sets no limit).
         request_log_entries: entries the request log keeps (the oldest drop).
         kv_block_tokens: tokens per simulated KV block (for ``remote_block_ids``).
         media: media limits of the request parser.
@@ -151,7 +154,7 @@ class OpenAIServerSettings:
     keep_alive_timeout_s: float = 75.0
     body_timeout_s: float = 30.0
     write_timeout_s: float = 30.0
-    max_connections: int = 1024
+    max_connections: int = 4096
     request_log_entries: int = 1024
     kv_block_tokens: int = 16
     media: MediaLimits = field(default_factory=MediaLimits)
