@@ -264,12 +264,6 @@ def _as_vllm_writes(arguments: str) -> str:
     return json.dumps(parsed, ensure_ascii=False)
 
 
-def _call_without_index(call: object) -> object:
-    if not isinstance(call, dict):
-        return call
-    return {key: value for key, value in call.items() if key != "index"}
-
-
 def response_body(
     kind: Kind,
     *,
