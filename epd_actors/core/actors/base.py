@@ -364,7 +364,9 @@ class BaseActor:
         job goes through the inbox, in order behind the jobs already there.
 
         Backpressure: waits while the inbox is full.
-        Cancellation: leaving the block (normally or not) cancels the job.
+        Cancellation: leaving the block (normally or not) cancels the job; a job
+        that already ended with a result the requester did not take
+        (:meth:`~.jobs.Job.hand_over`) is undone here, shielded and bounded.
         """
         # Typed by annotation, not by subscripting the call (a typing look-up per job).
         reply_send: trio.MemorySendChannel[StageEvent]
@@ -390,8 +392,11 @@ class BaseActor:
             with reply_receive:
                 yield job, reply_receive
         finally:
+            job.requester_left = True
             if job.finished_at is None:  # a finished job has nothing left to cancel
-                job.cancel()
+                job.cancel()  # its task undoes what it leaves as it ends
+            elif job.compensations and not job.handed_over:
+                await self._compensate(job)  # it ended first; its result was not taken
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the inbox until cancelled; report ready once it accepts jobs.
@@ -438,17 +443,20 @@ class BaseActor:
 
     async def _run_job(self, job: Job) -> None:
         try:
-            async with job.reply:
-                with job.scope:
-                    await self._attempt(job)
+            # A plain ``with``: closing the reply channel needs no checkpoint (an
+            # ``async with`` would cost the job one more scheduling round at its end).
+            with job.reply, job.scope:
+                await self._attempt(job)
         finally:
             job.finished_at = trio.current_time()
             self._limiter.release_on_behalf_of(job)
-            if job.compensations and not job.handed_over:
+            # Only a requester that left will not take the result any more; one
+            # still in ``submit`` takes it, or undoes it as it leaves.
+            if job.compensations and not job.handed_over and job.requester_left:
                 await self._compensate(job)
 
     async def _compensate(self, job: Job) -> None:
-        """Undo a job whose requester left before taking its result (shielded, bounded)."""
+        """Undo a job's result that its requester did not take (shielded, bounded)."""
         await self._run_compensations(job, job.hand_over())
 
     async def _attempt(self, job: Job) -> None:

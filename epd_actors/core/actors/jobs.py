@@ -150,9 +150,15 @@ class Job:
         attempt: the cancel scope of the running attempt, whose deadline is
             the stage's attempt deadline until the output starts.
         compensations: what undoes the job's leftovers (a prefilled KV handle)
-            should the request not complete.  Whoever holds them runs them: the
-            job's own task, unless the requester took them over together with
-            the job's final event (:meth:`hand_over`).
+            should the request not complete.  The requester takes them over
+            together with the job's final event (:meth:`hand_over`).  Untaken,
+            they are run by whichever of the two ends last: the job's task when
+            the requester had left already, else the requester as it leaves
+            (:meth:`BaseActor.submit <.base.BaseActor.submit>`).  So a result
+            that waits for its requester in the reply channel is never undone
+            under it, whatever order the scheduler runs the two tasks in.
+        requester_left: the requester left :meth:`BaseActor.submit
+            <.base.BaseActor.submit>` (it takes nothing more from the job).
     """
 
     context: StageContext
@@ -165,6 +171,7 @@ class Job:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     compensations: list[Compensation] = field(default_factory=list)
     handed_over: bool = False
+    requester_left: bool = False
     output_started: bool = False
     last_error: EpdError | None = None
     timed_out: bool = False
