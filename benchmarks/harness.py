@@ -28,12 +28,12 @@ import sys
 import tempfile
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from contextlib import ExitStack
-    from pathlib import Path
 
 STARTUP_TIMEOUT_S = 60.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -373,12 +373,23 @@ def _epd_proxy_command(
     return epd_proxy_argv(programs.epd_proxy_python, programs.epd_proxy, port, endpoints)
 
 
+def _trio_floor_command(
+    programs: PeerPrograms, port: int, endpoints: list[tuple[str, str, str]]
+) -> list[str]:
+    """``trio_floor.py`` (the I/O of a P/D relay alone, in Python on Trio) over P and D."""
+    argv = [sys.executable, str(Path(__file__).with_name("trio_floor.py")), "--port", str(port)]
+    for role, _, url in endpoints:
+        argv += ["--prefill" if role == "prefill" else "--decode", url]
+    return [*argv, "--host", "127.0.0.1"]
+
+
 # Scenario kinds of a peer router (another project's program in front of HTTP workers):
 # kind -> its command line, serving on loopback ``port`` in front of the endpoints.
 PEER_COMMANDS: dict[str, Callable[[PeerPrograms, int, list[tuple[str, str, str]]], list[str]]] = {
     "vllm-router": functools.partial(_vllm_router_command, pd=False),
     "vllm-router-pd": functools.partial(_vllm_router_command, pd=True),
     "epd-proxy": _epd_proxy_command,
+    "trio-floor": _trio_floor_command,
 }
 # Scenario kinds that run this project's router (``serve --config``), over either backend.
 ROUTER_KINDS = ("native", "openai_http")

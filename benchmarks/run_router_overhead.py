@@ -164,6 +164,12 @@ def scenarios(token_s: float | None = None, *, step_clock: bool = False) -> dict
                 "epd-proxy",
             ),
             Scenario(
+                "trio-floor-pd",
+                "the I/O of a P/D relay alone, in Python on Trio (benchmarks/trio_floor.py)",
+                [("prefill", sim), ("decode", sim)],
+                "trio-floor",
+            ),
+            Scenario(
                 "epd-proxy-epd",
                 "vLLM's example EPD proxy over E+P+D HTTP workers",
                 [("encode", sim), ("prefill", sim), ("decode", sim)],
