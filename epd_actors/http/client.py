@@ -126,11 +126,12 @@ class _Connection:
     read raises it.
     """
 
-    __slots__ = ("buffer", "failure", "idle_since", "socket", "stream")
+    __slots__ = ("buffer", "failure", "idle_since", "plain", "socket", "stream")
 
     def __init__(self, stream: trio.abc.Stream, socket: trio.socket.SocketType) -> None:
         self.stream = stream
         self.socket = socket
+        self.plain = type(stream) is trio.SocketStream  # no TLS: the socket is the stream
         self.buffer = bytearray()
         self.idle_since = 0.0
         self.failure: OSError | None = None
@@ -313,14 +314,40 @@ class WorkerHttpClient:
         raise RequestTimeout("sending the request", seconds)
 
     async def _receive(self, conn: _Connection) -> bytes:
-        """More bytes from ``conn`` (``b""`` at EOF)."""
+        """More bytes from ``conn`` (``b""`` at EOF).
+
+        On a plain TCP connection the socket is read directly: what it holds
+        now costs one ``read`` and no timeout scope (not a checkpoint then);
+        otherwise one wait for it to become readable, under ``read_timeout_s``,
+        and one more ``read`` -- the system calls Trio's stream would make,
+        without its layers.
+        """
         if conn.failure is not None:
             raise ConnectionLost(f"the connection broke while reading: {conn.failure!r}")
+        if conn.plain:
+            return await self._receive_plain(conn)
         seconds = self.limits.read_timeout_s
         with trio.move_on_after(seconds):
             try:
                 return bytes(await conn.stream.receive_some(RECEIVE_CHUNK_BYTES))
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise ConnectionLost(f"the connection broke while reading: {exc!r}") from exc
+        raise RequestTimeout("reading the response", seconds)
+
+    async def _receive_plain(self, conn: _Connection) -> bytes:
+        sock = conn.socket
+        try:
+            return os.read(sock.fileno(), RECEIVE_CHUNK_BYTES)
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # a closed socket's descriptor is -1: EBADF
+            raise ConnectionLost(f"the connection broke while reading: {exc!r}") from exc
+        seconds = self.limits.read_timeout_s
+        with trio.move_on_after(seconds):
+            try:
+                await trio.lowlevel.wait_readable(sock)
+                return os.read(sock.fileno(), RECEIVE_CHUNK_BYTES)
+            except (trio.ClosedResourceError, OSError) as exc:
                 raise ConnectionLost(f"the connection broke while reading: {exc!r}") from exc
         raise RequestTimeout("reading the response", seconds)
 
@@ -524,7 +551,7 @@ class Response:
         Cancellation: safe; the socket leaves the hub before the caller resumes.
         """
         conn = self._conn
-        if conn is None or not hub.running or type(conn.stream) is not trio.SocketStream:
+        if conn is None or not hub.running or not conn.plain:
             return False
         seconds = self._client.limits.read_timeout_s
         self._read_at = self._now()

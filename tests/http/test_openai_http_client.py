@@ -9,6 +9,8 @@ Real sockets, real clock; every test runs under ``fail_after``.
 from __future__ import annotations
 
 import functools
+import socket
+import struct
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -354,6 +356,42 @@ async def test_a_cancelled_request_closes_its_connection() -> None:
         await gone.wait()
         assert client._idle == []
         await client.aclose()
+
+
+async def test_a_read_waiting_when_its_connection_closes_or_resets_is_a_lost_connection() -> None:
+    # The socket is read directly (no Trio stream in between): a close by
+    # another task must still wake the wait, and a reset must still be typed.
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    async with canned_server(writes(head)) as (url, _):
+        client = WorkerHttpClient(url, LIMITS)
+        response = await client.request("GET", "/s")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(response_closes_soon, response)
+            with pytest.raises(ConnectionLost, match="broke while reading"):
+                await response.next_chunk()
+        await response.aclose()
+        await client.aclose()
+
+    async def resets(stream: trio.SocketStream, request: bytes) -> bool:
+        await stream.send_all(head + b"1\r\na\r\n")
+        await trio.sleep(0.05)
+        linger = struct.pack("ii", 1, 0)  # close with a reset, not a FIN
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+        return False
+
+    async with canned_server(resets) as (url, _):
+        client = WorkerHttpClient(url, LIMITS)
+        response = await client.request("GET", "/s")
+        assert await response.next_chunk() == b"a"
+        with pytest.raises(ConnectionLost, match="broke while reading"):
+            await response.next_chunk()
+        await response.aclose()
+        await client.aclose()
+
+
+async def response_closes_soon(response: Response) -> None:
+    await trio.testing.wait_all_tasks_blocked()
+    response.close_now()
 
 
 # ---------------------------------------------------------------- the backend over canned replies
