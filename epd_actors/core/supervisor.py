@@ -490,7 +490,7 @@ class Supervisor:
                     record.lifecycle.advance(Phase.DONE if completed else Phase.FAILED)
                     self.requests_failed += not completed
                 try:
-                    await events.send(final)
+                    await _emit(events, final)
                 except trio.BrokenResourceError:
                     logger.debug("request %s: caller left before its result", request.request_id)
         finally:
@@ -601,7 +601,7 @@ class Supervisor:
         usage = record.usage = record.usage or Usage(
             context.prompt_tokens or 0, record.completion_tokens
         )
-        await events.send(UsageEvent(usage))
+        await _emit(events, UsageEvent(usage))
         return DoneEvent(record.finish_reason, usage, record.timings())
 
     async def _redo_handoff(
@@ -901,3 +901,17 @@ def _check_topology(actors: list[BaseActor], of_model: str) -> None:
             raise ConfigError(
                 f"pools.{actor.stage}{of_model}: needs pools {missing} configured as well"
             )
+
+
+async def _emit(events: HandoffSender[GenerationEvent], event: GenerationEvent) -> None:
+    """Send one of a request's closing events (usage, the final one) to its caller.
+
+    At once when the buffer has room -- no scheduling round for the send --
+    and awaited otherwise (backpressure: while ``REQUEST_EVENT_BUFFER``
+    events are unread).
+
+    Raises:
+        trio.BrokenResourceError: the caller left.
+    """
+    if not events.offer(event):
+        await events.send(event)

@@ -284,7 +284,7 @@ class BaseActor:
         Cancellation: a requester that left ends the relay; the backend then
         aborts the request on its worker.
         """
-        reply, output = job.reply, job.output
+        output = job.output
         if output is None:
             raise InternalError(
                 f"{self.stage} job of {job.request_id} streams output but has no output relay"
@@ -304,11 +304,9 @@ class BaseActor:
                         if not output.offer(delta):
                             await output.put(delta)
                         if delta.finish_reason is not None:
-                            end = StageOutput(finish_reason=delta.finish_reason, usage=delta.usage)
-                            try:
-                                reply.send_nowait(end)
-                            except trio.WouldBlock:
-                                await reply.send(end)
+                            await job.answer(
+                                StageOutput(finish_reason=delta.finish_reason, usage=delta.usage)
+                            )
                     except trio.BrokenResourceError:
                         # The requester left; leaving the stream aborts the worker's
                         # side.  Raising here instead would surface through the
@@ -598,7 +596,7 @@ class BaseActor:
 
     async def _report(self, job: Job, failure: StageFailure) -> None:
         try:
-            await job.reply.send(failure)
+            await job.answer(failure)
         except trio.BrokenResourceError:
             logger.debug("%s job of %s: requester left", self.stage, job.request_id)
 

@@ -190,7 +190,7 @@ class EncodeActor(BaseActor):
                 len(item.data),
                 trio.current_time(),
             )
-        await job.reply.send(StageOutput(ec_transfer_params=result.ec_transfer_params))
+        await job.answer(StageOutput(ec_transfer_params=result.ec_transfer_params))
 
 
 PROCESSING_OPTIONS: Final = ("mm_processor_kwargs", "media_io_kwargs")

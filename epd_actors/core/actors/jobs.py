@@ -190,6 +190,23 @@ class Job:
         if self.attempt is not None:
             self.attempt.deadline = math.inf
 
+    async def answer(self, event: StageEvent) -> None:
+        """Send the job's final event on ``reply``.
+
+        At once when the buffer has room -- the one final event always finds
+        it -- so a job ends in the scheduling step that produced its answer,
+        without a round through the scheduler for the send; awaited otherwise.
+
+        Raises:
+            trio.BrokenResourceError: the requester left.
+
+        Cancellation: not a checkpoint when the event went at once.
+        """
+        try:
+            self.reply.send_nowait(event)
+        except trio.WouldBlock:
+            await self.reply.send(event)
+
     def add_compensation(self, compensation: Compensation) -> None:
         """Register an undo step before announcing the result it undoes."""
         self.compensations.append(compensation)

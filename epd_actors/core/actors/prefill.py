@@ -54,4 +54,4 @@ class PrefillActor(BaseActor):
         kv = result.kv_transfer_params
         if kv is not None:
             job.add_compensation(partial(backend.release, kv))
-        await job.reply.send(StageOutput(kv_transfer_params=kv, prompt_tokens=result.prompt_tokens))
+        await job.answer(StageOutput(kv_transfer_params=kv, prompt_tokens=result.prompt_tokens))
