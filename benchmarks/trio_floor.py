@@ -10,8 +10,9 @@ It does only what every P/D HTTP relay must do for one request:
    (straight to the socket when the kernel takes it at once, as the router writes),
    walking the chunk sizes only to find the stream's end.
 
-Keep-alive connections to the workers, round robin over each pool.  Nothing
-else: no health checks, retries, deadlines, cancellation, limits, metrics,
+Keep-alive connections to the workers (one the worker closed while idle is not
+reused: a relay that skipped that check would fail requests), round robin over
+each pool.  Nothing else: no health checks, retries, deadlines, cancellation, limits, metrics,
 validation, model check, token counting or usage, and a malformed request
 simply drops its connection.  What it costs per request is what Python and
 Trio cost for the I/O alone; the router's CPU beyond it is what the router's
@@ -30,6 +31,7 @@ import functools
 import itertools
 import json
 import os
+import signal
 import sys
 from urllib.parse import urlsplit
 
@@ -108,7 +110,7 @@ class Upstream:
 
     async def post(self, path: str, body: bytes) -> tuple[Reader, dict[str, str]]:
         """Send one POST; return the connection's reader and the answer's headers."""
-        reader = self.idle.pop() if self.idle else Reader(await self._connect())
+        reader = self._reusable() or Reader(await self._connect())
         head = (
             f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
@@ -118,6 +120,15 @@ class Upstream:
         if " 200 " not in status + " ":
             raise Dropped(f"worker answered {status}")
         return reader, headers
+
+    def _reusable(self) -> Reader | None:
+        """An idle connection the worker has not closed (one readable while idle it has)."""
+        while self.idle:
+            reader = self.idle.pop()
+            if not reader.stream.socket.is_readable():
+                return reader
+            reader.stream.socket.close()
+        return None
 
     async def _connect(self) -> trio.SocketStream:
         return await trio.open_tcp_stream(self.host, self.port)
@@ -213,6 +224,8 @@ def main() -> int:
     parser.add_argument("--decode", action="append", required=True, help="a D worker's URL")
     args = parser.parse_args()
     relay = FloorRelay(args.prefill, args.decode)
+    # SIGTERM ends it as Ctrl-C does, so a profiler around it writes its output.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(functools.partial(trio.serve_tcp, relay.serve, args.port, host=args.host))
     return 0
