@@ -3,6 +3,9 @@ a requester that is still to take it -- whatever order the scheduler runs the tw
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
 import pytest
 import trio
 import trio.testing
@@ -13,6 +16,9 @@ from epd_actors.protocol import Prompt, SamplingParams
 from epd_actors.request import GenerationRequest
 from epd_actors.simulator.config import SimConfig
 from epd_actors.testing import SimFleet, build_sim_fleet
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 pytestmark = pytest.mark.trio
 
@@ -26,19 +32,23 @@ def context(request_id: str) -> StageContext:
     return StageContext(request, f"{request_id}.1")
 
 
-def fleet() -> SimFleet:
-    # No simulated time: a job ends as soon as its requester lets the scheduler run it.
+@asynccontextmanager
+async def running_prefill() -> AsyncIterator[tuple[SimFleet, PrefillActor]]:
+    """A prefill actor serving in a nursery, over one simulated worker with no simulated time
+    (a job ends as soon as its requester lets the scheduler run it)."""
     instant = SimConfig(prefill_token_s=0.0, first_token_s=0.0, output_token_s=0.0)
-    return build_sim_fleet({"prefill": 1, "decode": 1}, config=instant)
+    sim = build_sim_fleet({"prefill": 1, "decode": 1}, config=instant)
+    actor = PrefillActor(sim.pools["prefill"])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        yield sim, actor
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_result_waiting_in_the_reply_channel_is_not_undone_under_its_requester() -> None:
     # The job ends -- every task blocked, its reply buffered -- before the
     # requester reads it; the handle must still be there for the requester.
-    sim = fleet()
-    actor = PrefillActor(sim.pools["prefill"])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(actor.run)
+    async with running_prefill() as (sim, actor):
         async with actor.submit(context("waits"), None) as (job, replies):
             await trio.testing.wait_all_tasks_blocked()
             assert job.finished_at is not None  # the job's task has ended
@@ -51,14 +61,10 @@ async def test_a_result_waiting_in_the_reply_channel_is_not_undone_under_its_req
         assert sim.kv_handles_outstanding() == 1
         await taken[0]()
         assert sim.kv_handles_outstanding() == 0
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_requester_that_leaves_an_ended_jobs_result_untaken_undoes_it_once() -> None:
-    sim = fleet()
-    actor = PrefillActor(sim.pools["prefill"])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(actor.run)
+    async with running_prefill() as (sim, actor):
         async with actor.submit(context("untaken"), None) as (job, _):
             await trio.testing.wait_all_tasks_blocked()
             assert job.finished_at is not None
@@ -68,18 +74,13 @@ async def test_a_requester_that_leaves_an_ended_jobs_result_untaken_undoes_it_on
         assert not job.compensations
         await trio.testing.wait_all_tasks_blocked()
         assert sim.total("kv_handles_released", "prefill") == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_job_that_ends_after_its_requester_left_undoes_its_result_itself() -> None:
-    sim = fleet()
-    actor = PrefillActor(sim.pools["prefill"])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(actor.run)
+    async with running_prefill() as (sim, actor):
         async with actor.submit(context("left"), None) as (job, _):
             assert job.finished_at is None  # the job has not run yet
         # Leaving cancelled the job; had it produced a handle, its task released it.
         await trio.testing.wait_all_tasks_blocked()
         assert job.finished_at is not None
         assert sim.kv_handles_outstanding() == 0
-        nursery.cancel_scope.cancel()
