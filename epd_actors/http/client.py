@@ -323,7 +323,7 @@ class WorkerHttpClient:
         without its layers.
         """
         if conn.failure is not None:
-            raise ConnectionLost(f"the connection broke while reading: {conn.failure!r}")
+            raise _read_broke(conn.failure)
         if conn.plain:
             return await self._receive_plain(conn)
         seconds = self.limits.read_timeout_s
@@ -331,7 +331,7 @@ class WorkerHttpClient:
             try:
                 return bytes(await conn.stream.receive_some(RECEIVE_CHUNK_BYTES))
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise ConnectionLost(f"the connection broke while reading: {exc!r}") from exc
+                raise _read_broke(exc) from exc
         raise RequestTimeout("reading the response", seconds)
 
     async def _receive_plain(self, conn: _Connection) -> bytes:
@@ -341,14 +341,14 @@ class WorkerHttpClient:
         except BlockingIOError:
             pass
         except OSError as exc:  # a closed socket's descriptor is -1: EBADF
-            raise ConnectionLost(f"the connection broke while reading: {exc!r}") from exc
+            raise _read_broke(exc) from exc
         seconds = self.limits.read_timeout_s
         with trio.move_on_after(seconds):
             try:
                 await trio.lowlevel.wait_readable(sock)
                 return os.read(sock.fileno(), RECEIVE_CHUNK_BYTES)
             except (trio.ClosedResourceError, OSError) as exc:
-                raise ConnectionLost(f"the connection broke while reading: {exc!r}") from exc
+                raise _read_broke(exc) from exc
         raise RequestTimeout("reading the response", seconds)
 
     def _give_back(self, conn: _Connection | None) -> None:
@@ -730,6 +730,11 @@ class Response:
 def _check_header(name: str, value: str) -> None:
     if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
         raise ValueError(f"header {name!r} cannot be sent: it has a line break or colon")
+
+
+def _read_broke(exc: BaseException) -> ConnectionLost:
+    """The error of a read that failed with ``exc`` (or met a failure recorded earlier)."""
+    return ConnectionLost(f"the connection broke while reading: {exc!r}")
 
 
 def _readable(conn: _Connection) -> bool:
