@@ -15,7 +15,9 @@ chunk.  This times each of them in a loop (``timeit``, the best of
 * ``chunk -> client SSE``: the same stream, one event per read, through the
   decoder, the parser and the front end's ``SseFormatter`` (worker bytes to
   client text), with the ``openai_http`` relay of text chunks on (``relay``)
-  and off (``parse``), when this checkout has the relay;
+  and off (``parse``), when this checkout has the relay, and with a read of
+  one text event made into its delta at once (``at once``, the stream's path
+  for such a read), when this checkout has that;
 * ``SSE chunk framing``: one rendered delta framed as an HTTP/1.1 chunk by
   ``h11.Data`` and by the front end's own framer, when this checkout has one;
 * ``relay a delta``: one one-token delta through the output relay to a caller
@@ -135,37 +137,42 @@ def relay_lines(events: list[bytes], number: int, repeat: int) -> None:
     try:
         from epd_actors.backends.openai_http.relay import ChunkScanner  # noqa: F401
     except ImportError:
-        modes = [False]
+        modes = ["parse"]
     else:
-        modes = [True, False]
+        modes = ["relay", "parse"]
+    if hasattr(DeltaParser, "text_delta"):
+        modes.insert(0, "at once")
     from epd_actors.core.output_relay import delta_event
     from epd_actors.openai.format import SseFormatter
 
-    def to_client(relay: bool) -> Callable[[], None]:
-        options = {"relay": True} if relay else {}
+    def to_client(mode: str) -> Callable[[], None]:
+        options = {} if mode == "parse" else {"relay": True}
 
         def run() -> None:
             decoder = SseDecoder(1 << 20)
             deltas = DeltaParser("r", chat=True, **options)  # type: ignore[arg-type]
             formatter = SseFormatter("chat", request_id="r", model="m", created=1)
             for event in events:
-                deltas.feed(decoder.feed(event))
-                delta = deltas.take()
+                delta = None
+                if mode == "at once":  # the stream's path for a read of one event
+                    data = decoder.single_data(event)
+                    delta = None if data is None else deltas.text_delta(data)
+                if delta is None:
+                    deltas.feed(decoder.feed(event))
+                    delta = deltas.take()
                 if delta is not None and delta.text:
                     formatter.event(delta_event(delta))
 
         return run
 
     runs = max(1, number // TOKENS)
-    for relay in modes:
-        label = "relay" if relay else "parse"
+    for label in modes:
         print(
-            f"chunk -> client SSE   {per_item(to_client(relay), TOKENS, runs, repeat):6.2f} µs"
+            f"chunk -> client SSE   {per_item(to_client(label), TOKENS, runs, repeat):6.2f} µs"
             f"   (one event per read, {label})"
         )
-    for relay in modes:
-        label = "relay" if relay else "parse"
-        python_calls, c_calls = calls_per_token(to_client(relay))
+    for label in modes:
+        python_calls, c_calls = calls_per_token(to_client(label))
         print(
             f"chunk -> client SSE   {python_calls:6.1f} Python calls, {c_calls:.1f} C calls"
             f"   ({label})"

@@ -99,16 +99,15 @@ class SseDecoder:
         self._data_bytes = 0
         self._event = ""
 
-    def feed(self, chunk: bytes) -> list[SseEvent]:
-        """The events completed by ``chunk``.
+    def single_data(self, chunk: bytes) -> str | None:
+        """The data of ``chunk`` if it is exactly one ``data: ...`` event, else None.
 
-        A chunk that is exactly one ``data: ...`` event, with nothing pending
-        before it (a paced stream's read: one token, one event), is taken
-        whole; otherwise the complete lines are split in one call, and a
-        ``data`` line, nearly every line of a stream, is handled inline.
+        None also while part of an event is pending, so that :meth:`feed`
+        must take the chunk.  Nothing is consumed either way: a caller that
+        gets the data has the event, one that gets None feeds the chunk.
 
         Raises:
-            SseError: a line or an event over the limit, or bytes that are not UTF-8.
+            SseError: the event is over the limit or not UTF-8.
         """
         if (
             chunk[:6] == b"data: "
@@ -122,9 +121,25 @@ class SseDecoder:
             if len(chunk) - 8 > self.max_event_bytes:
                 raise SseError(f"a server-sent event exceeds {self.max_event_bytes} bytes")
             try:
-                return [SseEvent("", chunk[6:-2].decode("utf-8"))]
+                return chunk[6:-2].decode("utf-8")
             except UnicodeDecodeError:
                 raise SseError("a server-sent event is not UTF-8") from None
+        return None
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        """The events completed by ``chunk``.
+
+        A chunk that is exactly one ``data: ...`` event, with nothing pending
+        before it (a paced stream's read: one token, one event), is taken
+        whole (:meth:`single_data`); otherwise the complete lines are split in one call, and a
+        ``data`` line, nearly every line of a stream, is handled inline.
+
+        Raises:
+            SseError: a line or an event over the limit, or bytes that are not UTF-8.
+        """
+        single = self.single_data(chunk)
+        if single is not None:
+            return [SseEvent("", single)]
         buffer = self._buffer
         buffer += chunk
         cut = buffer.rfind(b"\n") + 1

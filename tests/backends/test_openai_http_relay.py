@@ -17,7 +17,7 @@ from epd_actors.backends.openai_http.contract import DeltaParser, ReplyError, St
 from epd_actors.backends.openai_http.relay import ChunkScanner
 from epd_actors.core.output_relay import OutputRelay, delta_event
 from epd_actors.handoff import open_handoff
-from epd_actors.http.sse import SseDecoder
+from epd_actors.http.sse import SseDecoder, SseError
 from epd_actors.openai.engine_text import EngineText, joined_literal
 from epd_actors.openai.format import SseFormatter
 from epd_actors.protocol import Delta, Usage
@@ -192,6 +192,81 @@ def test_a_joined_string_is_a_plain_str_again() -> None:
     assert type(text + "c") is str
     assert type("".join([text, text])) is str
     assert joined_literal(['"a\\n"', '"b"']) == '"a\\nb"'
+
+
+def deltas_at_once(reads: list[bytes], *, chat: bool = True) -> list[Delta]:
+    """:func:`deltas_of` with the stream's path for a read of one event: built at once."""
+    decoder, parser = SseDecoder(1 << 20), DeltaParser("r", chat=chat, relay=True)
+    out: list[Delta] = []
+    for read in reads:
+        data = decoder.single_data(read)
+        delta = None if data is None else parser.text_delta(data)
+        if delta is None:
+            parser.feed(decoder.feed(read))
+            delta = parser.take()
+        if delta is not None:
+            out.append(delta)
+    final = parser.end_of_stream()
+    if final is not None:
+        out.append(final)
+    return out
+
+
+@pytest.mark.parametrize("simulator_order", [False, True])
+@pytest.mark.parametrize("ascii_only", [False, True])
+def test_a_read_of_one_text_event_gives_the_delta_the_parse_gives(
+    simulator_order: bool, ascii_only: bool
+) -> None:
+    reads = chat_stream(simulator_order=simulator_order, ascii_only=ascii_only)
+    reads.insert(3, chat_event("", [77]))  # token ids without text
+    at_once, parsed = deltas_at_once(reads), deltas_of(reads, relay=False)
+    assert at_once == parsed
+    assert [type(d.text) for d in at_once[:-1]] == [EngineText] * 2 + [str] + [EngineText] * 6
+    assert rendered(at_once) == rendered(deltas_of(reads, relay=True))
+    completions = [completion_event(t, [7 + i]) for i, t in enumerate(TEXTS)]
+    completions += [completion_event("", [], finish="length"), DONE]
+    assert deltas_at_once(completions, chat=False) == deltas_of(
+        completions, chat=False, relay=False
+    )
+
+
+def test_a_read_of_one_event_is_built_at_once_only_from_a_clean_state() -> None:
+    decoder, parser = SseDecoder(1 << 20), DeltaParser("r", chat=True, relay=True)
+    event = chat_event(" a", [1])
+    data = decoder.single_data(event)
+    assert data is not None
+    delta = parser.text_delta(data)
+    assert delta == Delta("r", (1,), " a")
+    assert type(delta.text) is EngineText
+    assert delta.text.json == '" a"'
+    # Another shape, or a chunk that carries nothing: feed it.
+    for other in (ROLE, chat_event("", None), chat_event(" z", [3], finish="stop"), DONE):
+        other_data = decoder.single_data(other)
+        assert other_data is not None
+        assert parser.text_delta(other_data) is None
+    # Something pending (a read of two events fed, not taken): feed it too, in order.
+    parser.feed(decoder.feed(event + event))
+    assert parser.text_delta(data) is None
+    assert parser.take() == Delta("r", (1, 1), " a a")
+    # Past the finish reason nothing is built at once.
+    parser.feed(decoder.feed(chat_event("", [], finish="stop")))
+    assert parser.text_delta(data) is None
+    # Relay off: the parser never builds one.
+    assert DeltaParser("r", chat=True).text_delta(data) is None
+
+
+def test_the_decoder_gives_one_event_s_data_only_when_nothing_is_pending() -> None:
+    decoder = SseDecoder(64)
+    assert decoder.single_data(b"data: x\n\n") == "x"
+    assert decoder.single_data(b"data: x\n\ndata: y\n\n") is None  # two events
+    assert decoder.single_data(b"event: e\ndata: x\n\n") is None
+    assert decoder.single_data(b"data: x\r\n\n") is None  # a CRLF line: feed it
+    assert decoder.feed(b"data: par") == []
+    assert decoder.single_data(b"data: x\n\n") is None  # an event is pending
+    with pytest.raises(SseError, match="exceeds"):
+        SseDecoder(4).single_data(b"data: 12345\n\n")
+    with pytest.raises(SseError, match="UTF-8"):
+        SseDecoder(64).single_data(b"data: \xff\n\n")
 
 
 # ---------------------------------------------------------------- every fallback

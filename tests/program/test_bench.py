@@ -341,9 +341,9 @@ def test_the_per_token_cost_benchmark_times_every_step() -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) == 14
+    assert len(lines) == 16
     timed = [line for line in lines if " µs" in line]
-    assert len(timed) == 11  # every step, and three lines of call counts
+    assert len(timed) == 12  # every timed step; the four call counts are lines of their own
     records = [line for line in timed if line.startswith("record ")]
     assert len(records) == 2
     assert all("(frozen dataclass" in line for line in records)
@@ -353,6 +353,7 @@ def test_the_per_token_cost_benchmark_times_every_step() -> None:
     assert "(74-byte frame)" in lines[0]
     assert any("Python calls" in line for line in lines)
     assert any("(one event per read, relay)" in line for line in timed)
+    assert any("(one event per read, at once)" in line for line in timed)
 
 
 # ---------------------------------------------------------------- operator options

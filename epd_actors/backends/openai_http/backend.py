@@ -113,7 +113,7 @@ from ...http.client import (
     Response,
     WorkerHttpClient,
 )
-from ...http.sse import SseDecoder
+from ...http.sse import SseDecoder, SseEvent
 from ...limits import CLEANUP_TIMEOUT_S
 from ...lora import LOAD_LORA_PATH, AdapterLoads, listed_adapters
 from ...protocol import EncodeRequest, ErrorCode, StageResult
@@ -150,7 +150,6 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
     from types import TracebackType
 
-    from ...http.sse import SseEvent
     from ...lora import LoraAdapter
     from ...protocol import Delta, GenerateRequest, PrefillRequest
 
@@ -212,7 +211,8 @@ class OpenAIHttpDeltaStream:
         self._unparsed: deque[SseEvent] = deque()  # without merge_reads: read, not parsed
         self._down: str | None = None  # why the worker was declared down mid-stream
         self._sink: Callable[[Delta], bool] | None = None
-        self._held: Delta | None = None  # parsed by the hub's task, not taken by the sink
+        # A delta parsed but not taken yet: the sink refused it, or a one-event read made it.
+        self._held: Delta | None = None
 
     @property
     def finished(self) -> bool:
@@ -328,7 +328,17 @@ class OpenAIHttpDeltaStream:
             if chunk is None:
                 self._parser.feed([self._unparsed.popleft()])
                 return
-            events = self._decoder.feed(chunk)
+            # A read of one text-only event, with nothing before it (nearly every
+            # read of a paced stream), becomes its delta at once (``_take`` returns it).
+            data = None if self._unparsed or self._held else self._decoder.single_data(chunk)
+            if data is None:
+                events = self._decoder.feed(chunk)
+            else:
+                delta = self._parser.text_delta(data)
+                if delta is not None:
+                    self._held = delta
+                    return
+                events = [SseEvent("", data)]
             if self._merge:
                 self._parser.feed(events)
             else:

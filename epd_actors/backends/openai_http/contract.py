@@ -573,6 +573,41 @@ class DeltaParser:
                 raise StreamFailed(error_message(data))
             self._chunk(chunk)
 
+    def text_delta(self, data: str) -> Delta | None:
+        """The delta of one text-only chunk's ``data``, built at once; None: :meth:`feed` it.
+
+        For the common event (see ``relay``) while nothing is pending: the
+        delta :meth:`feed` and :meth:`take` would make of it, without the
+        pending lists in between.  None -- nothing done -- for any other
+        event, while something is pending or the stream is past its finish
+        reason, and for a chunk with neither text nor token ids.
+        """
+        scanner = self._scanner
+        if (
+            scanner is None
+            or self._text
+            or self._token_ids
+            or self._fields is not None
+            or self._finish is not None
+            or self._done
+            or self.terminal_sent
+        ):
+            return None
+        found = scanner.scan(data)
+        if found is None:
+            return None
+        text, literal, ids = found
+        value: str
+        if text:
+            value = engine_text = EngineText(text)
+            engine_text.json = literal
+        elif ids is None:
+            return None
+        else:
+            value = ""
+        # With token ids, "logprobs":null leaves the per-token arrays out, as in ``_emit``.
+        return Delta(self.request_id, () if ids is None else tuple(map(int, ids.split(","))), value)
+
     def _chunk(self, chunk: JsonObject) -> None:
         usage = chunk.get("usage")
         if usage is not None:
