@@ -747,8 +747,15 @@ class Supervisor:
         )
         output = relay if actor.produces_output else None
         avoid = tuple(record.refused) if record.refusal is not None else ()
+        # A stage that hands its result on is waited for and nothing else: a job
+        # of it that would not wait runs in this task (no task of its own).
         submitted = actor.submit(
-            context, item, output=output, avoid=avoid, after=record.refusal if avoid else None
+            context,
+            item,
+            output=output,
+            avoid=avoid,
+            after=record.refusal if avoid else None,
+            run_here=output is None,
         )
         try:
             async with submitted as (job, replies):
@@ -802,6 +809,13 @@ class Supervisor:
         and the request deadline bounds them all.
         """
         if not actor.produces_output:
+            try:
+                # A job run in this task left its answer here already.
+                return replies.receive_nowait()
+            except trio.WouldBlock:
+                pass
+            except trio.EndOfChannel:
+                return None
             try:
                 return await replies.receive()
             except trio.EndOfChannel:

@@ -13,7 +13,12 @@ never holds up the inbox.  A job task leases a worker from the stage's pool
 Requesters use :meth:`BaseActor.submit`, an async context manager that puts a
 job in the inbox and yields the receiving end of the job's reply channel;
 leaving it cancels the job, wherever it is (still queued, or running on a
-worker, in which case the backend aborts the work on the worker).
+worker, in which case the backend aborts the work on the worker).  A job that
+would not wait starts at once; a requester that only waits for the answer
+(``run_here``) runs such a job in its own task instead of a task of the
+actor's, which saves the job's task and the scheduling rounds that start it
+and pass its answer on.  The actor still counts it against ``max_jobs``,
+cancels it when it stops or crashes, and is crashed by its bugs.
 
 Attempts: each attempt on a worker runs under the stage's attempt deadline
 (:meth:`BaseActor.attempt_timeout`: the whole answer for a stage that hands
@@ -141,6 +146,7 @@ class BaseActor:
         self._inbox_send, self._inbox_receive = trio.open_memory_channel[Job](inbox_capacity)
         self._limiter = trio.CapacityLimiter(max_jobs)
         self._jobs: trio.Nursery | None = None  # the job nursery, while ``run`` serves
+        self._run_here: set[Job] = set()  # jobs running in their requesters' tasks
         self.jobs_total = 0
         self.failures_total = 0
 
@@ -346,6 +352,7 @@ class BaseActor:
         output: OutputRelay | None = None,
         avoid: tuple[str, ...] = (),
         after: EpdError | None = None,
+        run_here: bool = False,
     ) -> AsyncIterator[tuple[Job, trio.MemoryReceiveChannel[StageEvent]]]:
         """Queue a job; yield it (read-only) and its reply channel; cancel it on exit.
 
@@ -361,10 +368,21 @@ class BaseActor:
         the worker loop would do one scheduling round later.  Otherwise the
         job goes through the inbox, in order behind the jobs already there.
 
+        ``run_here``: such a job runs to its end in the requester's own task,
+        before the block is entered (its answer, or none if it crashed, is
+        then in the reply channel).  Only for a requester that does nothing
+        but wait for the answer: not with ``output``, whose deltas need the
+        requester free to watch the inter-token deadline.  Everything else is
+        as for a job of the actor's: it holds a job slot, the actor's stop or
+        crash cancels it, a bug in it crashes the actor (the requester sees
+        the reply channel close without an answer), and it undoes an untaken
+        result as described below.
+
         Backpressure: waits while the inbox is full.
         Cancellation: leaving the block (normally or not) cancels the job; a job
         that already ended with a result the requester did not take
         (:meth:`~.jobs.Job.hand_over`) is undone here, shielded and bounded.
+        A job run here is cancelled by whatever cancels its requester.
         """
         # Typed by annotation, not by subscripting the call (a typing look-up per job).
         reply_send: trio.MemorySendChannel[StageEvent]
@@ -379,7 +397,8 @@ class BaseActor:
             avoid=avoid,
             last_error=after,
         )
-        if not self._start_at_once(job):
+        here = run_here and output is None and self._claim_slot_at_once(job)
+        if not here and not self._start_at_once(job):
             try:
                 await self._inbox_send.send(job)
             except BaseException:
@@ -388,6 +407,8 @@ class BaseActor:
                 raise
         try:
             with reply_receive:
+                if here:
+                    await self._run_here_now(job)
                 yield job, reply_receive
         finally:
             job.requester_left = True
@@ -418,9 +439,11 @@ class BaseActor:
                     jobs.start_soon(self._run_job, job, name=f"{self.stage}:{job.request_id}")
             finally:
                 self._jobs = None
+                for job in self._run_here:  # they stop with the actor, as its tasks do
+                    job.cancel()
 
-    def _start_at_once(self, job: Job) -> bool:
-        """Start ``job``'s task now if it would not wait in the inbox; False otherwise.
+    def _claim_slot_at_once(self, job: Job) -> bool:
+        """Take a job slot for ``job`` if it would not wait in the inbox; False otherwise.
 
         Never while the actor is stopped, restarting or crashing (its job
         nursery is gone or cancelled: the job waits in the inbox for the next
@@ -436,8 +459,38 @@ class BaseActor:
             self._limiter.acquire_on_behalf_of_nowait(job)
         except trio.WouldBlock:
             return False
+        return True
+
+    def _start_at_once(self, job: Job) -> bool:
+        """Start ``job``'s task now if it would not wait in the inbox; False otherwise."""
+        if not self._claim_slot_at_once(job):
+            return False
+        jobs = self._jobs
+        assert jobs is not None  # the claim checked it
         jobs.start_soon(self._run_job, job, name=f"{self.stage}:{job.request_id}")
         return True
+
+    async def _run_here_now(self, job: Job) -> None:
+        """Run ``job``, whose slot is taken, in the calling task (``submit(run_here=True)``).
+
+        A bug (an exception that is not an ``EpdError``) crashes the actor as
+        in a job task of its own: it is raised in the actor's job nursery,
+        whose ``run`` then ends with it; the requester sees no answer.
+
+        Cancellation: the caller's, and the actor's stop (``run`` cancels
+        every job it runs here).
+        """
+        self._run_here.add(job)
+        try:
+            await self._run_job(job)
+        except Exception as exc:
+            jobs = self._jobs
+            if jobs is None:  # the actor is gone already: nothing to crash
+                logger.exception("%s job of %s crashed", self.stage, job.request_id)
+            else:
+                jobs.start_soon(_raise, exc, name=f"{self.stage}:{job.request_id}:crash")
+        finally:
+            self._run_here.discard(job)
 
     async def _run_job(self, job: Job) -> None:
         try:
@@ -599,6 +652,11 @@ class BaseActor:
             await job.answer(failure)
         except trio.BrokenResourceError:
             logger.debug("%s job of %s: requester left", self.stage, job.request_id)
+
+
+async def _raise(exc: Exception) -> None:
+    """Raise ``exc`` in the task this runs in (a bug of a job run in its requester's task)."""
+    raise exc
 
 
 def routed_prompt(request: GenerationRequest) -> str | tuple[int, ...] | None:

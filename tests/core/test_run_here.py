@@ -1,0 +1,250 @@
+"""``submit(run_here=True)``: a job that would not wait runs in its requester's task.
+
+It must keep every promise a job of the actor's own task keeps: it holds a job
+slot, the actor's stop cancels it, a bug in it crashes (and so restarts) the
+actor, and a result its requester does not take is undone once.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, ClassVar
+
+import pytest
+import trio
+import trio.testing
+
+from epd_actors.core.actors.jobs import Job, StageContext, StageOutput
+from epd_actors.core.actors.prefill import PrefillActor
+from epd_actors.core.actors.registry import STAGE_ACTORS
+from epd_actors.core.config import ActorLimits
+from epd_actors.core.supervisor import Supervisor
+from epd_actors.errors import ActorCrashed
+from epd_actors.protocol import Prompt, SamplingParams
+from epd_actors.request import DoneEvent, ErrorEvent, GenerationEvent, GenerationRequest
+from epd_actors.simulator.config import SimConfig
+from epd_actors.testing import SimFleet, build_sim_fleet
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from epd_actors.backends.base import StageBackend
+
+pytestmark = pytest.mark.trio
+
+INSTANT = SimConfig(prefill_token_s=0.0, first_token_s=0.0, output_token_s=0.0)
+
+
+def context(request_id: str) -> StageContext:
+    request = GenerationRequest(
+        Prompt(text="one two three four"),
+        sampling=SamplingParams(max_tokens=2, temperature=0.0),
+        request_id=request_id,
+    )
+    return StageContext(request, f"{request_id}.1")
+
+
+class Recording(PrefillActor):
+    """A prefill actor that notes the task each job ran in, and can hold a job or fail it."""
+
+    hold: trio.Event | None = None
+    bug: ClassVar[int] = 0  # jobs left to fail with a bug
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.ran_in: list[trio.lowlevel.Task] = []
+        self.holding = trio.Event()
+
+    async def handle(self, job: Job, backend: StageBackend) -> None:
+        self.ran_in.append(trio.lowlevel.current_task())
+        if Recording.bug:
+            Recording.bug -= 1
+            raise RuntimeError("a bug in the stage")
+        if self.hold is not None:
+            # Produce the result first, then wait: a result that is not taken yet.
+            kv = {"handle": job.request_id}
+            job.add_compensation(self._released)
+            self.holding.set()
+            await self.hold.wait()
+            await job.answer(StageOutput(kv_transfer_params=kv))
+            return
+        await super().handle(job, backend)
+
+    released = 0
+
+    async def _released(self) -> None:
+        self.released += 1
+
+
+@asynccontextmanager
+async def running(
+    max_jobs: int = 8, *, config: SimConfig = INSTANT
+) -> AsyncIterator[tuple[SimFleet, Recording, trio.Nursery]]:
+    sim = build_sim_fleet({"prefill": 1, "decode": 1}, config=config)
+    actor = Recording(sim.pools["prefill"], max_jobs=max_jobs)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        yield sim, actor, nursery
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_job_that_would_not_wait_runs_in_the_requesters_task_before_the_block() -> None:
+    async with running() as (sim, actor, _):
+        async with actor.submit(context("here"), None, run_here=True) as (job, replies):
+            assert actor.ran_in == [trio.lowlevel.current_task()]
+            assert job.finished_at is not None  # it ran before the block was entered
+            event = replies.receive_nowait()  # and left its answer: no wait
+            assert isinstance(event, StageOutput)
+            assert event.kv_transfer_params is not None
+            for compensation in job.hand_over():
+                await compensation()
+        assert sim.kv_handles_outstanding() == 0
+        assert actor.statistics().running == 0  # its slot is free again
+
+
+async def test_without_run_here_the_job_has_a_task_of_its_own() -> None:
+    async with running() as (_, actor, _):
+        async with actor.submit(context("there"), None) as (_, replies):
+            assert isinstance(await replies.receive(), StageOutput)
+        assert len(actor.ran_in) == 1
+        assert actor.ran_in[0] is not trio.lowlevel.current_task()
+
+
+async def test_a_job_run_here_holds_a_job_slot_while_it_runs() -> None:
+    async with running(max_jobs=1) as (_, actor, nursery):
+        actor.hold = trio.Event()
+        seen: list[int] = []
+
+        async def requester() -> None:
+            async with actor.submit(context("held"), None, run_here=True) as (job, _):
+                job.hand_over()
+
+        nursery.start_soon(requester)
+        with trio.fail_after(10):  # a job not run here is cancelled as its requester leaves
+            await actor.holding.wait()
+        seen.append(actor.statistics().running)
+        # The only slot is taken: a second job goes through the inbox, run_here or
+        # not, and waits there (or in the loop, for the slot) in a task of the actor's.
+        async with actor.submit(context("queued"), None, run_here=True) as (job, replies):
+            await trio.testing.wait_all_tasks_blocked()
+            assert job.started_at is None
+            seen.append(actor.statistics().running)
+            actor.hold.set()
+            assert isinstance(await replies.receive(), StageOutput)
+            job.hand_over()
+        assert seen == [1, 1]
+        assert actor.ran_in[1] is not trio.lowlevel.current_task()
+
+
+async def test_the_actors_stop_cancels_a_job_run_here_and_its_requester_sees_no_answer() -> None:
+    sim = build_sim_fleet({"prefill": 1, "decode": 1}, config=INSTANT)
+    actor = Recording(sim.pools["prefill"])
+    actor.hold = trio.Event()
+    answers: list[object] = []
+    with trio.fail_after(10):  # without the cancel, the held job would wait forever
+        await stop_while_held(actor, answers)
+    assert answers == ["no answer"]
+    assert actor.released == 1  # the result it had registered was undone
+
+
+async def stop_while_held(actor: Recording, answers: list[object]) -> None:
+    async with trio.open_nursery() as outer:
+        actor_scope = trio.CancelScope()
+
+        async def serve() -> None:
+            with actor_scope:
+                await actor.run()
+
+        outer.start_soon(serve)
+        await trio.testing.wait_all_tasks_blocked()
+
+        async def requester() -> None:
+            async with actor.submit(context("stopped"), None, run_here=True) as (job, replies):
+                try:
+                    answers.append(replies.receive_nowait())
+                except trio.EndOfChannel:
+                    answers.append("no answer")
+                assert job.finished_at is not None
+
+        outer.start_soon(requester)
+        await actor.holding.wait()
+        actor_scope.cancel()  # the actor stops while the job runs in the requester's task
+
+
+async def test_a_requester_cancelled_while_its_job_runs_here_undoes_the_result_once() -> None:
+    async with running() as (_, actor, _):
+        actor.hold = trio.Event()
+        with trio.CancelScope() as scope:
+
+            async def cancel_when_held() -> None:
+                await actor.holding.wait()
+                scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_when_held)
+                async with actor.submit(context("gone"), None, run_here=True):
+                    pytest.fail("the block is never entered: the requester was cancelled")
+        assert actor.released == 1
+        assert actor.statistics().running == 0
+
+
+async def test_a_bug_in_a_job_run_here_crashes_the_actor_and_its_requester_sees_no_answer() -> None:
+    sim = build_sim_fleet({"prefill": 1, "decode": 1}, config=INSTANT)
+    actor = Recording(sim.pools["prefill"])
+    Recording.bug = 1
+    answers: list[object] = []
+    crash = pytest.RaisesExc(RuntimeError, match="a bug in the stage")
+    with pytest.RaisesGroup(crash, flatten_subgroups=True):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            async with actor.submit(context("buggy"), None, run_here=True) as (_, replies):
+                assert actor.ran_in == [trio.lowlevel.current_task()]
+                try:
+                    answers.append(replies.receive_nowait())
+                except trio.EndOfChannel:
+                    answers.append("no answer")
+            await trio.sleep_forever()  # the actor's crash ends this nursery
+    assert answers == ["no answer"]
+
+
+class BuggyPrefill(PrefillActor):
+    bugs_left: ClassVar[int] = 1
+
+    async def handle(self, job: Job, backend: StageBackend) -> None:
+        if BuggyPrefill.bugs_left:
+            BuggyPrefill.bugs_left -= 1
+            raise RuntimeError("a bug in prefill")
+        await super().handle(job, backend)
+
+
+async def collect(supervisor: Supervisor, request_id: str) -> GenerationEvent:
+    request = GenerationRequest(
+        Prompt(text="one two three"),
+        sampling=SamplingParams(max_tokens=3, temperature=0.0),
+        request_id=request_id,
+    )
+    events = []
+    async with supervisor.generate(request) as channel:
+        async for event in channel:
+            events.append(event)
+    return events[-1]
+
+
+async def test_a_prefill_bug_fails_its_request_and_the_actor_is_restarted(
+    autojump_clock: object,
+) -> None:
+    registry = {**STAGE_ACTORS, "prefill": BuggyPrefill}
+    fleet = build_sim_fleet({"prefill": 1, "decode": 1})
+    supervisor = Supervisor(
+        fleet.pools, registry=registry, limits=ActorLimits(restart_backoff_start_s=0.25)
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+        failed = await collect(supervisor, "unlucky")
+        assert isinstance(failed, ErrorEvent)
+        assert isinstance(failed.error, ActorCrashed)
+        recovered = await collect(supervisor, "lucky")
+        assert isinstance(recovered, DoneEvent)
+        nursery.cancel_scope.cancel()
+    assert supervisor.statistics().actor_restarts == {"prefill": 1, "decode": 0}
+    assert fleet.kv_handles_outstanding() == 0
