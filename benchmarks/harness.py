@@ -374,13 +374,14 @@ def _epd_proxy_command(
 
 
 def _trio_floor_command(
-    programs: PeerPrograms, port: int, endpoints: list[tuple[str, str, str]]
+    programs: PeerPrograms, port: int, endpoints: list[tuple[str, str, str]], *, hub: bool
 ) -> list[str]:
-    """``trio_floor.py`` (the I/O of a P/D relay alone, in Python on Trio) over P and D."""
+    """``trio_floor.py`` (the I/O of a P/D relay alone, in Python on Trio) over P and D
+    (``hub``: one task reads every D stream, ``--hub``)."""
     argv = [sys.executable, str(Path(__file__).with_name("trio_floor.py")), "--port", str(port)]
     for role, _, url in endpoints:
         argv += ["--prefill" if role == "prefill" else "--decode", url]
-    return [*argv, "--host", "127.0.0.1"]
+    return [*argv, "--host", "127.0.0.1", *(("--hub",) if hub else ())]
 
 
 # Scenario kinds of a peer router (another project's program in front of HTTP workers):
@@ -389,7 +390,8 @@ PEER_COMMANDS: dict[str, Callable[[PeerPrograms, int, list[tuple[str, str, str]]
     "vllm-router": functools.partial(_vllm_router_command, pd=False),
     "vllm-router-pd": functools.partial(_vllm_router_command, pd=True),
     "epd-proxy": _epd_proxy_command,
-    "trio-floor": _trio_floor_command,
+    "trio-floor": functools.partial(_trio_floor_command, hub=False),
+    "trio-floor-hub": functools.partial(_trio_floor_command, hub=True),
 }
 # Scenario kinds that run this project's router (``serve --config``), over either backend.
 ROUTER_KINDS = ("native", "openai_http")

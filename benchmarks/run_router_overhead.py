@@ -170,6 +170,12 @@ def scenarios(token_s: float | None = None, *, step_clock: bool = False) -> dict
                 "trio-floor",
             ),
             Scenario(
+                "trio-floor-hub-pd",
+                "the same with one task reading every D stream (trio_floor.py --hub)",
+                [("prefill", sim), ("decode", sim)],
+                "trio-floor-hub",
+            ),
+            Scenario(
                 "epd-proxy-epd",
                 "vLLM's example EPD proxy over E+P+D HTTP workers",
                 [("encode", sim), ("prefill", sim), ("decode", sim)],

@@ -10,6 +10,15 @@ It does only what every P/D HTTP relay must do for one request:
    (straight to the socket when the kernel takes it at once, as the router writes),
    walking the chunk sizes only to find the stream's end.
 
+With ``--hub``, one task reads every D stream, as the router's read hub does
+(``epd_actors/transport/read_hub.py``): their sockets sit in a level-triggered
+``epoll`` set of its own, which Trio watches as one descriptor, and each pass
+reads every readable stream once and writes what it read to its client, in
+that task; a client write that the kernel does not take at once hands the
+stream back to its request's task, which finishes the write and hands it over
+again.  That is what a Trio relay's per-token I/O costs without a task
+wake-up per stream and token.
+
 Keep-alive connections to the workers (one the worker closed while idle is not
 reused: a relay that skipped that check would fail requests), round robin over
 each pool.  Nothing else: no health checks, retries, deadlines, cancellation, limits, metrics,
@@ -20,17 +29,19 @@ own guarantees and layers cost.  ``run_router_overhead.py`` runs it as the
 ``trio-floor-pd`` scenario, beside the router and its peers::
 
     python benchmarks/trio_floor.py --port 9000 --prefill http://127.0.0.1:8101 \\
-        --decode http://127.0.0.1:8102
+        --decode http://127.0.0.1:8102 [--hub]
+
+(``trio-floor-hub-pd`` with ``--hub``.)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import itertools
 import json
 import os
+import select
 import signal
 import sys
 from urllib.parse import urlsplit
@@ -134,19 +145,21 @@ class Upstream:
         return await trio.open_tcp_stream(self.host, self.port)
 
 
-async def relay_chunked(source: Reader, client: trio.SocketStream, head: bytes) -> None:
-    """Pass a chunked body from ``source`` to ``client`` as read, up to its last chunk.
+class ChunkedWalk:
+    """Where a chunked body's framing stands, across reads: sizes only, the bytes pass as read."""
 
-    ``head``, the client's response head, goes out with the first bytes of the body.
-    """
-    left = 0  # bytes of the current chunk (and its CRLF) still to pass
-    pending = head + source.buffer
-    source.buffer.clear()
-    at = len(head)
-    while True:
-        while at < len(pending):
+    def __init__(self) -> None:
+        self.left = 0  # bytes of the current chunk (and its CRLF) still to pass
+        self.rest = b""  # a chunk-size line or the last chunk's trailer, not whole yet
+
+    def take(self, data: bytes) -> tuple[bytes, bytes | None]:
+        """What may pass now of the bytes held back and ``data``; and, once the body
+        ended (its last chunk and empty trailer passed), the bytes after it (else None)."""
+        pending = self.rest + data if self.rest else data
+        at, left, size_of = 0, self.left, len(pending)
+        while at < size_of:
             if left:
-                step = min(left, len(pending) - at)
+                step = min(left, size_of - at)
                 at += step
                 left -= step
                 continue
@@ -158,32 +171,139 @@ async def relay_chunked(source: Reader, client: trio.SocketStream, head: bytes) 
                 # The last chunk and the empty trailer that ends the body.
                 end = pending.find(b"\r\n\r\n", at)
                 if end >= 0:
-                    await send(client, pending[: end + 4])
-                    source.buffer += pending[end + 4 :]
-                    return
+                    self.left, self.rest = 0, b""
+                    return pending[: end + 4], pending[end + 4 :]
                 break
             at = line_end + 2
             left = size + 2
-        # Everything up to ``at`` is whole; pass all read so far, keep the parse state.
-        if at < len(pending) and not left:
-            if at:
-                await send(client, pending[:at])
-            rest = pending[at:]
-        else:
-            await send(client, pending)
-            rest = b""
+        self.left = left
+        # Everything up to ``at`` is whole; an incomplete line is held back.
+        if at < size_of and not left:
+            self.rest = pending[at:]
+            return pending[:at], None
+        self.rest = b""
+        return pending, None
+
+
+async def relay_chunked(source: Reader, client: trio.SocketStream, head: bytes) -> None:
+    """Pass a chunked body from ``source`` to ``client`` as read, up to its last chunk.
+
+    ``head``, the client's response head, goes out with the first bytes of the body.
+    """
+    walk = ChunkedWalk()
+    data = bytes(source.buffer)
+    source.buffer.clear()
+    while True:
+        out, after = walk.take(data)
+        out, head = head + out, b""
+        if after is not None:
+            await send(client, out)
+            source.buffer += after
+            return
+        if out:
+            await send(client, out)
         data = await source.stream.receive_some(READ_BYTES)
         if not data:
             raise Dropped("the decoder closed its stream")
-        pending, at = rest + data, 0
+
+
+class HubStream:
+    """One D stream the hub reads: its source, its client, and how it stands."""
+
+    def __init__(self, source: Reader, client: trio.SocketStream, walk: ChunkedWalk) -> None:
+        self.source = source
+        self.client = client
+        self.walk = walk
+        self.client_fd = client.socket.fileno()
+        self.woken = trio.Event()
+        self.unsent = b""  # what the client's socket did not take: the request's task sends it
+        self.ended = False
+        self.failure: Exception | None = None
+
+
+class ReadHub:
+    """One task reads every D stream (``--hub``): see the module docstring."""
+
+    def __init__(self) -> None:
+        self.epoll = select.epoll()
+        self.streams: dict[int, HubStream] = {}
+
+    async def run(self) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(self.epoll.fileno())
+            for fd, _ in self.epoll.poll(0):
+                stream = self.streams.get(fd)
+                if stream is not None:
+                    self._pass(fd, stream)
+
+    def _pass(self, fd: int, stream: HubStream) -> None:
+        """Read ``stream`` once and write what it read to its client, in the hub's task."""
+        try:
+            data = os.read(fd, READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._hand_back(fd, stream, failure=Dropped(f"reading the decoder: {exc}"))
+            return
+        if not data:
+            self._hand_back(fd, stream, failure=Dropped("the decoder closed its stream"))
+            return
+        out, after = stream.walk.take(data)
+        if after is not None:
+            stream.ended = True
+            stream.source.buffer += after
+        try:
+            sent = os.write(stream.client_fd, out) if out else 0
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._hand_back(fd, stream, failure=Dropped(f"writing to the client: {exc}"))
+            return
+        if sent < len(out) or stream.ended:
+            stream.unsent = out[sent:]
+            self._hand_back(fd, stream)
+
+    def _hand_back(self, fd: int, stream: HubStream, failure: Exception | None = None) -> None:
+        self.epoll.unregister(fd)
+        del self.streams[fd]
+        stream.failure = failure
+        stream.woken.set()
+
+    async def relay(self, source: Reader, client: trio.SocketStream, head: bytes) -> None:
+        """What :func:`relay_chunked` does, with the hub reading the body after its first bytes."""
+        walk = ChunkedWalk()
+        out, after = walk.take(bytes(source.buffer))
+        source.buffer.clear()
+        await send(client, head + out)
+        if after is not None:
+            source.buffer += after
+            return
+        fd = source.stream.socket.fileno()
+        while True:
+            stream = HubStream(source, client, walk)
+            self.streams[fd] = stream
+            self.epoll.register(fd, select.EPOLLIN)
+            try:
+                await stream.woken.wait()
+            finally:
+                if fd in self.streams:  # cancelled while the hub had it
+                    self.epoll.unregister(fd)
+                    del self.streams[fd]
+            if stream.failure is not None:
+                raise stream.failure
+            if stream.unsent:
+                await client.send_all(stream.unsent)
+            if stream.ended:
+                return
 
 
 class FloorRelay:
     """Round robin over the P and D workers; one task per client connection."""
 
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], hub: ReadHub | None = None) -> None:
         self.prefill = itertools.cycle([Upstream(url) for url in prefill])
         self.decode = itertools.cycle([Upstream(url) for url in decode])
+        self.hub = hub
 
     async def serve(self, client: trio.SocketStream) -> None:
         reader = Reader(client)
@@ -212,7 +332,10 @@ class FloorRelay:
         request["kv_transfer_params"] = answer["kv_transfer_params"]
         decode = next(self.decode)
         reader, _ = await decode.post(path, json.dumps(request).encode())
-        await relay_chunked(reader, client, STREAM_HEAD)
+        if self.hub is None:
+            await relay_chunked(reader, client, STREAM_HEAD)
+        else:
+            await self.hub.relay(reader, client, STREAM_HEAD)
         decode.idle.append(reader)
 
 
@@ -222,12 +345,21 @@ def main() -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--prefill", action="append", required=True, help="a P worker's URL")
     parser.add_argument("--decode", action="append", required=True, help="a D worker's URL")
+    parser.add_argument("--hub", action="store_true", help="one task reads every D stream")
     args = parser.parse_args()
-    relay = FloorRelay(args.prefill, args.decode)
+    hub = ReadHub() if args.hub else None
+    relay = FloorRelay(args.prefill, args.decode, hub)
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            if hub is not None:
+                nursery.start_soon(hub.run)
+            await trio.serve_tcp(relay.serve, args.port, host=args.host)
+
     # SIGTERM ends it as Ctrl-C does, so a profiler around it writes its output.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with contextlib.suppress(KeyboardInterrupt):
-        trio.run(functools.partial(trio.serve_tcp, relay.serve, args.port, host=args.host))
+        trio.run(serve)
     return 0
 
 

@@ -31,8 +31,9 @@ def floor() -> ModuleType:
     return module
 
 
-async def relay_split_at(cut: int) -> tuple[bytes, bytes]:
-    """Relay ``BODY`` (then ``NEXT``) sent in two writes cut at ``cut``; what the client got."""
+async def relay_split_at(cut: int, *, hub: bool = False) -> tuple[bytes, bytes]:
+    """Relay ``BODY`` (then ``NEXT``) sent in two writes cut at ``cut``; what the client got
+    (``hub``: the body after its first read read by the floor's read hub, ``--hub``)."""
     module = floor()
     worker_a, worker_b = trio.socket.socketpair()
     client_a, client_b = trio.socket.socketpair()
@@ -48,17 +49,27 @@ async def relay_split_at(cut: int) -> tuple[bytes, bytes]:
             await worker.send_all(BODY[cut:] + NEXT)
 
         nursery.start_soon(send)
-        await module.relay_chunked(source_reader, client, b"HEAD\r\n")
+        if hub:
+            read_hub = module.ReadHub()
+            nursery.start_soon(read_hub.run)
+            # The first read, as the request's task makes it before handing the body over.
+            source_reader.buffer += await source.receive_some(4096)
+            await read_hub.relay(source_reader, client, b"HEAD\r\n")
+            assert not read_hub.streams  # handed back
+        else:
+            await module.relay_chunked(source_reader, client, b"HEAD\r\n")
         await client.aclose()
         while data := await reader.receive_some(4096):
             got += data
+        nursery.cancel_scope.cancel()  # the hub's task
     for stream in (worker, source, reader):
         await stream.aclose()
     return bytes(got), bytes(source_reader.buffer)
 
 
+@pytest.mark.parametrize("hub", [False, True], ids=["task", "hub"])
 @pytest.mark.parametrize("cut", range(1, len(BODY)))
-async def test_the_floor_relays_the_whole_body_and_keeps_what_follows(cut: int) -> None:
-    got, left = await relay_split_at(cut)
+async def test_the_floor_relays_the_whole_body_and_keeps_what_follows(cut: int, hub: bool) -> None:
+    got, left = await relay_split_at(cut, hub=hub)
     assert got == b"HEAD\r\n" + BODY
     assert NEXT.startswith(left)  # the next response's bytes stay with the connection
