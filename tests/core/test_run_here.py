@@ -2,7 +2,8 @@
 
 It must keep every promise a job of the actor's own task keeps: it holds a job
 slot, the actor's stop cancels it, a bug in it crashes (and so restarts) the
-actor, and a result its requester does not take is undone once.
+actor (the ``prefill`` case of ``test_supervisor.py``'s crashed-actor test), and
+a result its requester does not take is undone once.
 """
 
 from __future__ import annotations
@@ -14,16 +15,11 @@ import pytest
 import trio
 import trio.testing
 
-from epd_actors.core.actors.jobs import Job, StageContext, StageOutput
+from epd_actors.core.actors.jobs import Job, StageOutput
 from epd_actors.core.actors.prefill import PrefillActor
-from epd_actors.core.actors.registry import STAGE_ACTORS
-from epd_actors.core.config import ActorLimits
-from epd_actors.core.supervisor import Supervisor
-from epd_actors.errors import ActorCrashed
-from epd_actors.protocol import Prompt, SamplingParams
-from epd_actors.request import DoneEvent, ErrorEvent, GenerationEvent, GenerationRequest
 from epd_actors.simulator.config import SimConfig
 from epd_actors.testing import SimFleet, build_sim_fleet
+from tests.core.test_job_handover import context
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -33,15 +29,6 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.trio
 
 INSTANT = SimConfig(prefill_token_s=0.0, first_token_s=0.0, output_token_s=0.0)
-
-
-def context(request_id: str) -> StageContext:
-    request = GenerationRequest(
-        Prompt(text="one two three four"),
-        sampling=SamplingParams(max_tokens=2, temperature=0.0),
-        request_id=request_id,
-    )
-    return StageContext(request, f"{request_id}.1")
 
 
 class Recording(PrefillActor):
@@ -205,46 +192,3 @@ async def test_a_bug_in_a_job_run_here_crashes_the_actor_and_its_requester_sees_
                     answers.append("no answer")
             await trio.sleep_forever()  # the actor's crash ends this nursery
     assert answers == ["no answer"]
-
-
-class BuggyPrefill(PrefillActor):
-    bugs_left: ClassVar[int] = 1
-
-    async def handle(self, job: Job, backend: StageBackend) -> None:
-        if BuggyPrefill.bugs_left:
-            BuggyPrefill.bugs_left -= 1
-            raise RuntimeError("a bug in prefill")
-        await super().handle(job, backend)
-
-
-async def collect(supervisor: Supervisor, request_id: str) -> GenerationEvent:
-    request = GenerationRequest(
-        Prompt(text="one two three"),
-        sampling=SamplingParams(max_tokens=3, temperature=0.0),
-        request_id=request_id,
-    )
-    events = []
-    async with supervisor.generate(request) as channel:
-        async for event in channel:
-            events.append(event)
-    return events[-1]
-
-
-async def test_a_prefill_bug_fails_its_request_and_the_actor_is_restarted(
-    autojump_clock: object,
-) -> None:
-    registry = {**STAGE_ACTORS, "prefill": BuggyPrefill}
-    fleet = build_sim_fleet({"prefill": 1, "decode": 1})
-    supervisor = Supervisor(
-        fleet.pools, registry=registry, limits=ActorLimits(restart_backoff_start_s=0.25)
-    )
-    async with trio.open_nursery() as nursery:
-        await nursery.start(supervisor.run)
-        failed = await collect(supervisor, "unlucky")
-        assert isinstance(failed, ErrorEvent)
-        assert isinstance(failed.error, ActorCrashed)
-        recovered = await collect(supervisor, "lucky")
-        assert isinstance(recovered, DoneEvent)
-        nursery.cancel_scope.cancel()
-    assert supervisor.statistics().actor_restarts == {"prefill": 1, "decode": 0}
-    assert fleet.kv_handles_outstanding() == 0

@@ -550,8 +550,28 @@ class Fragile(BaseActor):
         await STAGE_ACTORS["decode"].handle(self, job, backend)
 
 
-async def test_a_crashed_actor_fails_its_jobs_and_is_restarted(autojump_clock: object) -> None:
-    registry = {**STAGE_ACTORS, "decode": Fragile}
+class FragilePrefill(BaseActor):
+    """A prefill stage whose first job hits a bug (a job run in its requester's task)."""
+
+    stage = "prefill"
+    phase = Phase.PREFILLING
+    order = 20
+    requires = ("decode",)
+    crashes_left: ClassVar[int] = 1
+
+    async def handle(self, job: Job, backend: StageBackend) -> None:
+        if FragilePrefill.crashes_left:
+            FragilePrefill.crashes_left -= 1
+            raise RuntimeError("a bug in the actor")
+        await STAGE_ACTORS["prefill"].handle(self, job, backend)
+
+
+@pytest.mark.parametrize("fragile", [Fragile, FragilePrefill], ids=["decode", "prefill"])
+async def test_a_crashed_actor_fails_its_jobs_and_is_restarted(
+    fragile: type[Fragile | FragilePrefill], autojump_clock: object
+) -> None:
+    fragile.crashes_left = 1
+    registry = {**STAGE_ACTORS, fragile.stage: fragile}
     fleet = build_sim_fleet({"prefill": 1, "decode": 1})
     supervisor = Supervisor(
         fleet.pools, registry=registry, limits=ActorLimits(restart_backoff_start_s=0.25)
@@ -567,7 +587,8 @@ async def test_a_crashed_actor_fails_its_jobs_and_is_restarted(autojump_clock: o
         # The second request waited in the inbox for the restart.
         assert trio.current_time() - start >= 0.25
         nursery.cancel_scope.cancel()
-    assert supervisor.statistics().actor_restarts == {"prefill": 0, "decode": 1}
+    restarted = {"prefill": 0, "decode": 0, fragile.stage: 1}
+    assert supervisor.statistics().actor_restarts == restarted
     assert_no_leaks(fleet)
 
 
