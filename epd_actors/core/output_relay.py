@@ -28,12 +28,14 @@ Deadlines: the relay notes when the last delta passed (``last_delta_at``) and
 whether it is waiting for the caller (``waiting_for_caller``).  The supervisor,
 waiting for the final event, takes its deadline from those
 (:meth:`OutputRelay.deadline`) and, when it passes, asks again before it gives
-up.  Only the first delta touches the waiting scope (``watch``), because the
-inter-token deadline may come before the first-token one; the same first delta
-lifts the job's attempt deadline (``attempt``, the actor's first-token deadline
-of the attempt running).  So the inter-token
-timeout still measures the gap between two deltas, without a deadline change
-per delta; and while the caller reads too slowly for the event channel to take
+up.  A job run in the supervisor's own task (``job_watches``) does the same
+around each wait for its stream (:meth:`OutputRelay.receive_watched`): the
+supervisor is not waiting then, the job is.  Only the first delta touches the
+waiting scope (``watch``), because the inter-token deadline may come before the
+first-token one; the same first delta lifts the job's attempt deadline
+(``attempt``, the actor's first-token deadline of the attempt running).  So the
+inter-token timeout still measures the gap between two deltas, without a
+deadline change per delta; and while the caller reads too slowly for the event channel to take
 a delta, the timeout does not run: a slow reader is not a stalled worker (the
 request's own deadline still applies).
 """
@@ -45,9 +47,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from ..errors import StageTimeout
 from ..request import DeltaEvent, GenerationEvent
 
 if TYPE_CHECKING:
+    from ..backends.base import DeltaStream
     from ..handoff import HandoffSender
     from ..protocol import Delta
     from .token_gaps import TokenGaps
@@ -87,6 +91,7 @@ class OutputRelay:
         "attempt",
         "caller_left",
         "closed",
+        "job_watches",
         "last_delta_at",
         "relayed",
         "waiting_for_caller",
@@ -110,8 +115,10 @@ class OutputRelay:
         self.waiting_for_caller = False
         self.caller_left = False
         self.closed = False
-        self.watch: trio.CancelScope | None = None  # the supervisor's wait, while it waits
+        self.watch: trio.CancelScope | None = None  # the wait for the stage, while it waits
         self.attempt: trio.CancelScope | None = None  # the job's attempt, while one runs
+        # The job runs in the supervisor's task and watches the inter-token deadline itself.
+        self.job_watches = False
 
     def deadline(self, first_token_deadline: float) -> float:
         """When the output stage counts as stalled, as of now.
@@ -125,6 +132,36 @@ class OutputRelay:
         if not self.relayed:
             return first_token_deadline
         return self.last_delta_at + self._inter_token_s
+
+    def stalled(self) -> StageTimeout:
+        """The error of an output stage that passed its inter-token deadline."""
+        return StageTimeout(f"no inter token within {self._inter_token_s:g}s", phase="inter_token")
+
+    async def receive_watched(self, stream: DeltaStream) -> Delta:
+        """``stream.receive()`` under the inter-token deadline (for ``job_watches``).
+
+        The wait is the ``watch`` the first delta tightens; when its deadline
+        passes, the deadline is asked again (a delta may have passed meanwhile,
+        or the caller may be slow), and the wait goes on until it passes for
+        good.  Before the first delta there is none: the attempt's first-token
+        deadline applies.
+
+        Raises:
+            StageTimeout: no delta within the inter-token timeout.
+            trio.EndOfChannel: and what ``stream.receive`` raises.
+
+        Cancellation: as ``stream.receive``, which resumes where it stood
+        after a wait the deadline cut short.
+        """
+        while True:
+            deadline = self.deadline(math.inf)
+            if deadline <= self._now():
+                raise self.stalled()
+            with trio.move_on_at(deadline) as self.watch:
+                try:
+                    return await stream.receive()
+                finally:
+                    self.watch = None
 
     def close(self) -> None:
         """The supervisor is done with the job: drop whatever still comes, quietly.

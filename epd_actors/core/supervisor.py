@@ -747,15 +747,15 @@ class Supervisor:
         )
         output = relay if actor.produces_output else None
         avoid = tuple(record.refused) if record.refusal is not None else ()
-        # A stage that hands its result on is waited for and nothing else: a job
-        # of it that would not wait runs in this task (no task of its own).
+        # This task only waits for the job: a job that would not wait runs in it
+        # (no task of its own; an output job watches its inter-token deadline itself).
         submitted = actor.submit(
             context,
             item,
             output=output,
             avoid=avoid,
             after=record.refusal if avoid else None,
-            run_here=output is None,
+            run_here=True,
         )
         try:
             async with submitted as (job, replies):
@@ -808,19 +808,18 @@ class Supervisor:
         each attempt of the job (the actor retries a worker that misses it),
         and the request deadline bounds them all.
         """
+        try:
+            # A job run in this task left its answer (or none) here already.
+            return replies.receive_nowait()
+        except trio.WouldBlock:
+            pass
+        except trio.EndOfChannel:
+            return None
         if not actor.produces_output:
-            try:
-                # A job run in this task left its answer here already.
-                return replies.receive_nowait()
-            except trio.WouldBlock:
-                pass
-            except trio.EndOfChannel:
-                return None
             try:
                 return await replies.receive()
             except trio.EndOfChannel:
                 return None
-        deadlines = self.deadlines
         while True:
             deadline = relay.deadline(math.inf)
             if deadline <= trio.current_time():
@@ -832,9 +831,7 @@ class Supervisor:
                     return None
                 finally:
                     relay.watch = None
-        raise StageTimeout(
-            f"no inter token within {deadlines.inter_token_timeout_s:g}s", phase="inter_token"
-        )
+        raise relay.stalled()
 
     def _absorb(
         self, actor: BaseActor, event: StageEvent, context: StageContext, record: _RequestRecord

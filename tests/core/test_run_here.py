@@ -15,11 +15,29 @@ import pytest
 import trio
 import trio.testing
 
+from epd_actors.core.actors.decode import DecodeActor
 from epd_actors.core.actors.jobs import Job, StageOutput
 from epd_actors.core.actors.prefill import PrefillActor
+from epd_actors.core.actors.registry import STAGE_ACTORS
+from epd_actors.core.config import ActorLimits, Deadlines
+from epd_actors.core.output_relay import OutputRelay
+from epd_actors.core.supervisor import Supervisor
+from epd_actors.errors import StageTimeout
+from epd_actors.handoff import open_handoff
+from epd_actors.protocol import Delta
+from epd_actors.request import ErrorEvent
 from epd_actors.simulator.config import SimConfig
-from epd_actors.testing import SimFleet, build_sim_fleet
+from epd_actors.testing import SimFleet, build_sim_fleet, sim_config
 from tests.core.test_job_handover import context
+from tests.core.test_supervisor import (
+    EPD,
+    TIMED,
+    _timed_knobs,
+    assert_no_leaks,
+    collect,
+    final,
+    text,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -192,3 +210,100 @@ async def test_a_bug_in_a_job_run_here_crashes_the_actor_and_its_requester_sees_
                     answers.append("no answer")
             await trio.sleep_forever()  # the actor's crash ends this nursery
     assert answers == ["no answer"]
+
+
+# ------------------------------------------------- an output job run in the requester's task
+
+
+class NamingDecode(DecodeActor):
+    """A decode actor that notes the name of the task each of its jobs ran in."""
+
+    ran_in: ClassVar[list[str]] = []
+
+    async def handle(self, job: Job, backend: StageBackend) -> None:
+        NamingDecode.ran_in.append(trio.lowlevel.current_task().name)
+        await super().handle(job, backend)
+
+
+async def test_the_inter_token_deadline_holds_whether_the_decode_job_runs_here_or_in_its_own_task(
+    autojump_clock: object,
+) -> None:
+    # One decode slot: the first request's job runs in its request task (and watches
+    # its inter-token deadline itself); the second one's waits for the slot and
+    # runs in a task of the actor's (the supervisor watches).  Both decoders stall.
+    NamingDecode.ran_in = []
+    fleet = build_sim_fleet(EPD, config=TIMED)
+    fleet.engines["decode-0"].config = sim_config(**{**_timed_knobs(), "stall_after_tokens": 2})
+    supervisor = Supervisor(
+        fleet.pools,
+        registry={**STAGE_ACTORS, "decode": NamingDecode},
+        limits=ActorLimits(max_jobs=1),
+        deadlines=Deadlines(inter_token_timeout_s=0.5),
+    )
+    finals: dict[str, object] = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(supervisor.run)
+
+        async def one(request_id: str) -> None:
+            finals[request_id] = final(await collect(supervisor, text(request_id=request_id)))
+
+        async with trio.open_nursery() as requests:
+            for request_id in ("first", "second"):
+                requests.start_soon(one, request_id)
+        nursery.cancel_scope.cancel()
+    for failed in finals.values():
+        assert isinstance(failed, ErrorEvent)
+        assert isinstance(failed.error, StageTimeout)
+        assert failed.error.phase == "inter_token"
+    assert sorted(name.partition(":")[0] for name in NamingDecode.ran_in) == ["decode", "request"]
+    assert fleet.total("aborts", "decode") == 2
+    # Each stall counts against the worker, whichever task watched it.
+    assert fleet.pools["decode"].members[0].failures == 2
+    assert_no_leaks(fleet)
+
+
+class Trickle:
+    """A stream whose deltas go to the sink at the times given, then nothing (a stall)."""
+
+    def __init__(self, relay: OutputRelay, at: list[float]) -> None:
+        self.relay = relay
+        self.at = at
+
+    async def receive(self) -> Delta:
+        for when in self.at:
+            await trio.sleep_until(when)
+            self.relay.sink(Delta("r", (1,), "x"))
+        self.at = []
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_receive_watched_times_out_one_inter_token_timeout_after_the_last_delta(
+    autojump_clock: object,
+) -> None:
+    send, receive = open_handoff(64)
+    relay = OutputRelay(send, Progress(), inter_token_s=0.5)
+    start = trio.current_time()
+    stream = Trickle(relay, [start + 0.25 * n for n in range(1, 7)])
+    with pytest.raises(StageTimeout, match=r"no inter token within 0\.5s"):
+        await relay.receive_watched(stream)  # type: ignore[arg-type]
+    assert trio.current_time() - start == pytest.approx(1.5 + 0.5)
+    assert relay.watch is None
+    receive.close()
+
+
+async def test_receive_watched_waits_for_the_first_delta_without_a_deadline(
+    autojump_clock: object,
+) -> None:
+    # Before the first delta the attempt's first-token deadline is the one that applies.
+    send, receive = open_handoff(64)
+    relay = OutputRelay(send, Progress(), inter_token_s=0.5)
+    with trio.move_on_after(100.0) as outer:
+        await relay.receive_watched(Trickle(relay, []))  # type: ignore[arg-type]
+    assert outer.cancelled_caught
+    receive.close()
+
+
+class Progress:
+    first_token_at: float | None = None
+    completion_tokens = 0

@@ -50,7 +50,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 import trio
 
-from ...errors import AttemptTimeout, ConfigError, EpdError, InternalError, NoHealthyWorker
+from ...errors import (
+    AttemptTimeout,
+    ConfigError,
+    EpdError,
+    InternalError,
+    NoHealthyWorker,
+    StageTimeout,
+)
 from ...limits import ACTOR_INBOX_CAPACITY, ACTOR_MAX_JOBS, CLEANUP_TIMEOUT_S, JOB_REPLY_BUFFER
 from ..health import is_backpressure
 from ..retry import RetryPolicy, counts_against_worker
@@ -299,9 +306,15 @@ class BaseActor:
             stream.set_sink(output.sink)
             while True:
                 try:
-                    delta = await stream.receive()
+                    if output.job_watches:  # the job runs in its requester's task
+                        delta = await output.receive_watched(stream)
+                    else:
+                        delta = await stream.receive()
                 except trio.EndOfChannel:
                     return
+                except StageTimeout:
+                    job.timed_out = True  # the worker's breaker counts it (read on release)
+                    raise
                 finally:
                     # Deltas the stream handed to the relay itself count as output.
                     job.output_started |= output.relayed
@@ -371,12 +384,14 @@ class BaseActor:
         ``run_here``: such a job runs to its end in the requester's own task,
         before the block is entered (its answer, or none if it crashed, is
         then in the reply channel).  Only for a requester that does nothing
-        but wait for the answer: not with ``output``, whose deltas need the
-        requester free to watch the inter-token deadline.  Everything else is
-        as for a job of the actor's: it holds a job slot, the actor's stop or
-        crash cancels it, a bug in it crashes the actor (the requester sees
-        the reply channel close without an answer), and it undoes an untaken
-        result as described below.
+        but wait for the answer.  An output job run so watches the
+        inter-token deadline its requester would have watched
+        (``output.job_watches``, :meth:`OutputRelay.receive_watched
+        <epd_actors.core.output_relay.OutputRelay.receive_watched>`).
+        Everything else is as for a job of the actor's: it holds a job slot,
+        the actor's stop or crash cancels it, a bug in it crashes the actor
+        (the requester sees the reply channel close without an answer), and
+        it undoes an untaken result as described below.
 
         Backpressure: waits while the inbox is full.
         Cancellation: leaving the block (normally or not) cancels the job; a job
@@ -397,7 +412,9 @@ class BaseActor:
             avoid=avoid,
             last_error=after,
         )
-        here = run_here and output is None and self._claim_slot_at_once(job)
+        here = run_here and self._claim_slot_at_once(job)
+        if here and output is not None:
+            output.job_watches = True  # its requester waits in it: the job watches for it
         if not here and not self._start_at_once(job):
             try:
                 await self._inbox_send.send(job)
