@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from epd_actors.core.config import Deadlines
 from epd_actors.frontends.http_app import HttpSettings, RouterHttpApp
 from epd_actors.openai.engine_text import EngineText
 from epd_actors.openai.format import SseFormatter
@@ -142,3 +143,22 @@ async def test_an_sse_client_gets_the_same_bytes_with_the_relay_on_and_off() -> 
     assert on.count('"delta":{"content":') == 12  # one chunk per token
     assert "token_ids" not in on
     assert on.endswith("data: [DONE]\n\n")
+
+
+async def test_a_decode_job_in_its_request_task_waits_out_many_inter_token_deadlines() -> None:
+    # The decode job runs in the request's task and watches the inter-token deadline
+    # itself; the read hub hands the deltas over meanwhile.  The deadline's scope is
+    # set by the first delta only, so over a stream three times as long as the timeout
+    # it passes twice while tokens still flow: each time the job asks again and waits
+    # on, with the hub serving the stream anew, and nothing is lost.
+    paced = replace(QUICK, tokens_per_delta=1, output_token_s=0.08)
+    async with sim_http_fleet({"prefill": 1, "decode": 1}, configs={"decode": paced}) as fleet:
+        config = replace(fleet.config(), deadlines=Deadlines(inter_token_timeout_s=0.3))
+        async with fleet_router(fleet, config=config) as router:
+            events = await collect(router, chat_request(2))
+    done = final(events)
+    assert isinstance(done, DoneEvent)
+    assert done.usage.completion_tokens == 12
+    deltas = [e for e in events if isinstance(e, DeltaEvent)]
+    assert sum(len(e.token_ids) for e in deltas) == 12
+    assert text_of(events)
