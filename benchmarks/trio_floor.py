@@ -208,11 +208,10 @@ async def relay_chunked(source: Reader, client: trio.SocketStream, head: bytes) 
 
 
 class HubStream:
-    """One D stream the hub reads: its source, its client, and how it stands."""
+    """One D stream the hub reads: its source, its client's socket, and how it stands."""
 
     def __init__(self, source: Reader, client: trio.SocketStream, walk: ChunkedWalk) -> None:
         self.source = source
-        self.client = client
         self.walk = walk
         self.client_fd = client.socket.fileno()
         self.woken = trio.Event()

@@ -29,7 +29,7 @@ whether it is waiting for the caller (``waiting_for_caller``).  The supervisor,
 waiting for the final event, takes its deadline from those
 (:meth:`OutputRelay.deadline`) and, when it passes, asks again before it gives
 up.  A job run in the supervisor's own task (``job_watches``) does the same
-around each wait for its stream (:meth:`OutputRelay.receive_watched`): the
+around each wait for its stream (:meth:`OutputRelay.watched`): the
 supervisor is not waiting then, the job is.  Only the first delta touches the
 waiting scope (``watch``), because the inter-token deadline may come before the
 first-token one; the same first delta lifts the job's attempt deadline
@@ -43,7 +43,7 @@ request's own deadline still applies).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import trio
 
@@ -51,10 +51,13 @@ from ..errors import StageTimeout
 from ..request import DeltaEvent, GenerationEvent
 
 if TYPE_CHECKING:
-    from ..backends.base import DeltaStream
+    from collections.abc import Awaitable, Callable
+
     from ..handoff import HandoffSender
     from ..protocol import Delta
     from .token_gaps import TokenGaps
+
+T = TypeVar("T")
 
 
 def delta_event(delta: Delta) -> DeltaEvent:
@@ -137,10 +140,12 @@ class OutputRelay:
         """The error of an output stage that passed its inter-token deadline."""
         return StageTimeout(f"no inter token within {self._inter_token_s:g}s", phase="inter_token")
 
-    async def receive_watched(self, stream: DeltaStream) -> Delta:
-        """``stream.receive()`` under the inter-token deadline (for ``job_watches``).
+    async def watched(self, receive: Callable[[], Awaitable[T]]) -> T:
+        """``await receive()`` under the inter-token deadline: the wait for the stage.
 
-        The wait is the ``watch`` the first delta tightens; when its deadline
+        The supervisor waits so for its job's final event, and a job run in the
+        supervisor's task (``job_watches``) for its stream's next delta.  The
+        wait is the ``watch`` the first delta tightens; when its deadline
         passes, the deadline is asked again (a delta may have passed meanwhile,
         or the caller may be slow), and the wait goes on until it passes for
         good.  Before the first delta there is none: the attempt's first-token
@@ -148,10 +153,10 @@ class OutputRelay:
 
         Raises:
             StageTimeout: no delta within the inter-token timeout.
-            trio.EndOfChannel: and what ``stream.receive`` raises.
+            what ``receive`` raises.
 
-        Cancellation: as ``stream.receive``, which resumes where it stood
-        after a wait the deadline cut short.
+        Cancellation: as ``receive``'s, which must resume where it stood after
+        a wait the deadline cut short (a channel's does; so does a stream's).
         """
         while True:
             deadline = self.deadline(math.inf)
@@ -159,7 +164,7 @@ class OutputRelay:
                 raise self.stalled()
             with trio.move_on_at(deadline) as self.watch:
                 try:
-                    return await stream.receive()
+                    return await receive()
                 finally:
                     self.watch = None
 

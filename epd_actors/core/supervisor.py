@@ -61,7 +61,6 @@ complete -- so a handle P produced is released if D never consumed it.
 from __future__ import annotations
 
 import logging
-import math
 import random
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -820,18 +819,10 @@ class Supervisor:
                 return await replies.receive()
             except trio.EndOfChannel:
                 return None
-        while True:
-            deadline = relay.deadline(math.inf)
-            if deadline <= trio.current_time():
-                break
-            with trio.move_on_at(deadline) as relay.watch:
-                try:
-                    return await replies.receive()
-                except trio.EndOfChannel:
-                    return None
-                finally:
-                    relay.watch = None
-        raise relay.stalled()
+        try:
+            return await relay.watched(replies.receive)
+        except trio.EndOfChannel:
+            return None
 
     def _absorb(
         self, actor: BaseActor, event: StageEvent, context: StageContext, record: _RequestRecord

@@ -278,7 +278,7 @@ class Trickle:
         raise AssertionError("unreachable")
 
 
-async def test_receive_watched_times_out_one_inter_token_timeout_after_the_last_delta(
+async def test_watched_times_out_one_inter_token_timeout_after_the_last_delta(
     autojump_clock: object,
 ) -> None:
     send, receive = open_handoff(64)
@@ -286,20 +286,20 @@ async def test_receive_watched_times_out_one_inter_token_timeout_after_the_last_
     start = trio.current_time()
     stream = Trickle(relay, [start + 0.25 * n for n in range(1, 7)])
     with pytest.raises(StageTimeout, match=r"no inter token within 0\.5s"):
-        await relay.receive_watched(stream)  # type: ignore[arg-type]
+        await relay.watched(stream.receive)
     assert trio.current_time() - start == pytest.approx(1.5 + 0.5)
     assert relay.watch is None
     receive.close()
 
 
-async def test_receive_watched_waits_for_the_first_delta_without_a_deadline(
+async def test_watched_waits_for_the_first_delta_without_a_deadline(
     autojump_clock: object,
 ) -> None:
     # Before the first delta the attempt's first-token deadline is the one that applies.
     send, receive = open_handoff(64)
     relay = OutputRelay(send, Progress(), inter_token_s=0.5)
     with trio.move_on_after(100.0) as outer:
-        await relay.receive_watched(Trickle(relay, []))  # type: ignore[arg-type]
+        await relay.watched(Trickle(relay, []).receive)
     assert outer.cancelled_caught
     receive.close()
 

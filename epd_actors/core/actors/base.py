@@ -307,7 +307,7 @@ class BaseActor:
             while True:
                 try:
                     if output.job_watches:  # the job runs in its requester's task
-                        delta = await output.receive_watched(stream)
+                        delta = await output.watched(stream.receive)
                     else:
                         delta = await stream.receive()
                 except trio.EndOfChannel:
@@ -386,8 +386,8 @@ class BaseActor:
         then in the reply channel).  Only for a requester that does nothing
         but wait for the answer.  An output job run so watches the
         inter-token deadline its requester would have watched
-        (``output.job_watches``, :meth:`OutputRelay.receive_watched
-        <epd_actors.core.output_relay.OutputRelay.receive_watched>`).
+        (``output.job_watches``, :meth:`OutputRelay.watched
+        <epd_actors.core.output_relay.OutputRelay.watched>`).
         Everything else is as for a job of the actor's: it holds a job slot,
         the actor's stop or crash cancels it, a bug in it crashes the actor
         (the requester sees the reply channel close without an answer), and
